@@ -1,0 +1,60 @@
+"""jaxinfer: efficient LLM inference as pure, testable JAX functions.
+
+    import jaxinfer as ji
+    cfg, params = ji.load_checkpoint(path)
+    outs = ji.generate(cfg, params, prompts, ji.SamplingParams(temperature=0, max_tokens=32))
+"""
+
+import importlib
+
+# ---------------------------------------------------------------- config & model
+from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
+from jaxinfer.model import forward, forward_dense, init_params
+
+# ---------------------------------------------------------------- cache
+from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, build_metadata
+from jaxinfer.cache.paged import PagedKVCache, init_cache
+
+# ---------------------------------------------------------------- checkpoints
+from jaxinfer.checkpoint import load_checkpoint, load_tokenizer, save_checkpoint
+
+# ---------------------------------------------------------------- sampling & generation
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.generate import GenerationOutput, generate
+from jaxinfer.scoring import score
+
+# ---------------------------------------------------------------- subpackages (lazy)
+# Imported on first use so `import jaxinfer` stays light: ji.quant, ji.speculative, ...
+_LAZY = ("quant", "speculative", "engine", "eval", "models", "data", "memory", "ops")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"jaxinfer.{name}")
+    if name in ("Engine", "EngineConfig"):
+        return getattr(importlib.import_module("jaxinfer.engine"), name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+
+
+__all__ = [
+    "BatchMetadata",
+    "GenerationOutput",
+    "ModelConfig",
+    "PagedKVCache",
+    "RopeScaling",
+    "SamplingParams",
+    "SeqChunk",
+    "build_metadata",
+    "forward",
+    "forward_dense",
+    "from_hf_config",
+    "generate",
+    "init_cache",
+    "init_params",
+    "load_checkpoint",
+    "load_tokenizer",
+    "preset",
+    "save_checkpoint",
+    "score",
+    "to_hf_config",
+]

@@ -1,0 +1,135 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, addressed through block tables.
+
+`k`, `v` are `[L, num_blocks, K, S, D]`: a block of one layer is one contiguous slice, so
+copy-on-write, swap and transfer move whole blocks. Block 0 is the null block (padding writes
+land there; it is never read inside a live context). Quantized formats ("int8", "fp8") store
+per-(token, head) float32 scales beside the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+KV_FORMATS = ("float", "int8", "fp8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Device KV storage for every layer."""
+
+    k: jax.Array  # [L, num_blocks, K, S, D] cache dtype (float, int8 or float8_e4m3fn)
+    v: jax.Array  # [L, num_blocks, K, S, D]
+    k_scale: jax.Array | None  # [L, num_blocks, K, S] float32, quantized formats only
+    v_scale: jax.Array | None  # [L, num_blocks, K, S] float32
+    kv_format: str = dataclasses.field(default="float", metadata=dict(static=True))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        leaves = jax.tree_util.tree_leaves(self)
+        return sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+def init_cache(
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype=None,
+    kv_format: str = "float",
+) -> PagedKVCache:
+    """A zeroed cache of `num_blocks` blocks (block 0 included) of `block_size` tokens.
+
+    Args:
+      cfg: model config (layers, kv heads, head dim).
+      num_blocks: blocks per layer, including the null block 0.
+      block_size: S, tokens per block.
+      dtype: storage dtype of a "float" cache; defaults to cfg.dtype.
+      kv_format: "float", "int8" or "fp8" (e4m3 with per-(token, head) scales).
+    """
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
+    if num_blocks < 2 or block_size < 1:
+        raise ValueError(
+            f"need num_blocks >= 2 (block 0 is reserved) and block_size >= 1, got "
+            f"num_blocks={num_blocks}, block_size={block_size}"
+        )
+    shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    if kv_format == "float":
+        store = jnp.dtype(dtype or cfg.dtype)
+        return PagedKVCache(jnp.zeros(shape, store), jnp.zeros(shape, store), None, None)
+    store = jnp.int8 if kv_format == "int8" else jnp.float8_e4m3fn
+    scale = jnp.ones(shape[:-1], jnp.float32)
+    return PagedKVCache(
+        jnp.zeros(shape, store), jnp.zeros(shape, store), scale, scale, kv_format=kv_format
+    )
+
+
+def quantize_kv(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None]:
+    """`x [..., D]` -> (stored values, per-vector scale [...]) for a cache format."""
+    if kv_format == "float":
+        return x, None
+    from jaxinfer.quant.kv import quantize_kv as _quantize
+
+    return _quantize(x, kv_format)
+
+
+def write_kv(
+    cache: PagedKVCache,
+    layer: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_mapping: jax.Array,
+) -> PagedKVCache:
+    """Writes one layer's new keys/values `[T, K, D]` into flat slots `[T]` of `layer`."""
+    s = cache.block_size
+    blk, off = slot_mapping // s, slot_mapping % s  # [T], [T]
+    kq, ks = quantize_kv(k_new, cache.kv_format)
+    vq, vs = quantize_kv(v_new, cache.kv_format)
+    # Advanced indices (blk, off) around a slice: the indexed view is [T, K, D].
+    k = cache.k.at[layer, blk, :, off].set(kq.astype(cache.k.dtype))
+    v = cache.v.at[layer, blk, :, off].set(vq.astype(cache.v.dtype))
+    k_scale, v_scale = cache.k_scale, cache.v_scale
+    if ks is not None:
+        k_scale = k_scale.at[layer, blk, :, off].set(ks)
+        v_scale = v_scale.at[layer, blk, :, off].set(vs)
+    return dataclasses.replace(cache, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
+def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Copies whole blocks `src [n] -> dst [n]` in every layer (copy-on-write, defragmenting)."""
+
+    def cp(x):
+        return None if x is None else x.at[:, dst].set(x[:, src])
+
+    return dataclasses.replace(
+        cache,
+        k=cp(cache.k),
+        v=cp(cache.v),
+        k_scale=cp(cache.k_scale),
+        v_scale=cp(cache.v_scale),
+    )
+
+
+def gather_dense(cache: PagedKVCache, layer: int, block_table: jax.Array, length: int):
+    """One sequence's keys and values `[length, K, D]` (dequantized), for inspection and tests."""
+    k = cache.k[layer, block_table]  # [M, K, S, D]
+    v = cache.v[layer, block_table]
+    if cache.k_scale is not None:
+        k = k.astype(jnp.float32) * cache.k_scale[layer, block_table][..., None]
+        v = v.astype(jnp.float32) * cache.v_scale[layer, block_table][..., None]
+    m, kh, s, d = k.shape
+    k = k.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
+    v = v.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
+    return k, v

@@ -1,0 +1,205 @@
+"""Hugging Face checkpoints: safetensors directories <-> (ModelConfig, params), and tokenizers.
+
+A directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. HF linear weights are `[out, in]`; jaxinfer's are `[in, out]`
+stacked over layers, so loading transposes and stacks. Pickle `.bin` checkpoints are refused:
+unpickling runs arbitrary code from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
+from jaxinfer.model.params import param_shapes
+
+# jaxinfer layer leaf -> (HF name inside `model.layers.{i}.`, transposed?)
+_LAYER_NAMES = {
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+}
+# Buffers some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Maps every tensor name to the safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    if os.path.exists(single):
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    pickles = [f for f in sorted(os.listdir(path)) if f.endswith((".bin", ".pt", ".pth"))]
+    if pickles:
+        raise ValueError(
+            f"{path} holds only pickle checkpoints ({', '.join(pickles)}); jaxinfer refuses to "
+            "load them because unpickling can run arbitrary code. Convert them to safetensors "
+            "first, e.g. in a sandbox: AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out_dir, safe_serialization=True)."
+        )
+    raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _hf_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
+    """(jaxinfer path) -> (HF tensor name, transposed?) for every expected tensor."""
+    names: dict[tuple, tuple[str, bool]] = {
+        ("embed",): ("model.embed_tokens.weight", False),
+        ("final_norm",): ("model.norm.weight", False),
+    }
+    if not cfg.tie_word_embeddings:
+        names[("lm_head",)] = ("lm_head.weight", True)
+    for leaf, (hf, tr) in _LAYER_NAMES.items():
+        if leaf in ("bq", "bk", "bv") and not cfg.attention_bias:
+            continue
+        for i in range(cfg.num_layers):
+            names[("layers", leaf, i)] = (f"model.layers.{i}.{hf}", tr)
+    return names
+
+
+def load_checkpoint(path: str, dtype=None) -> tuple[ModelConfig, dict]:
+    """Loads an HF Llama / Mistral / Qwen2 safetensors directory.
+
+    Args:
+      path: directory with config.json and safetensors weights.
+      dtype: parameter dtype (e.g. jnp.float32); default: the checkpoint's `torch_dtype`.
+
+    Returns:
+      (cfg, params). Raises ValueError naming the tensor for a missing, unexpected or
+      mis-shaped tensor, and for pickle-only directories.
+    """
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    dtype_name = None if dtype is None else jnp.dtype(dtype).name
+    cfg = from_hf_config(hf, dtype=dtype_name)
+    files = _tensor_files(path)
+    expected = _hf_names(cfg)
+    wanted = {hf_name for hf_name, _ in expected.values()}
+    extra = [
+        n
+        for n in files
+        if n not in wanted
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
+    if extra:
+        raise ValueError(f"unexpected tensor(s) in {path}: {', '.join(sorted(extra)[:5])}")
+    missing = sorted(n for n in wanted if n not in files)
+    if missing:
+        raise ValueError(f"missing tensor(s) in {path}: {', '.join(missing[:5])}")
+
+    shapes = param_shapes(cfg)
+    handles: dict[str, object] = {}
+    try:
+        tensors: dict[tuple, np.ndarray] = {}
+        for key, (hf_name, transposed) in expected.items():
+            fname = files[hf_name]
+            if fname not in handles:
+                handles[fname] = safe_open(fname, framework="numpy").__enter__()
+            arr = handles[fname].get_tensor(hf_name)
+            tensors[key] = arr.T if transposed else arr
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+    def check(name: str, arr: np.ndarray, want: tuple) -> None:
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(
+                f"tensor {name} has shape {tuple(arr.shape)} (as [in, out]), expected "
+                f"{tuple(want)} from config.json"
+            )
+
+    dt = cfg.jnp_dtype
+    params: dict = {"layers": {}}
+    for key, (hf_name, _) in expected.items():
+        if key[0] != "layers":
+            want = shapes[key[0]].shape
+            check(hf_name, tensors[key], want)
+            params[key[0]] = jnp.asarray(tensors[key].astype(np.float32), dt)
+    for leaf in shapes["layers"]:
+        want = shapes["layers"][leaf].shape[1:]
+        per_layer = []
+        for i in range(cfg.num_layers):
+            hf_name = expected[("layers", leaf, i)][0]
+            check(hf_name, tensors[("layers", leaf, i)], want)
+            per_layer.append(tensors[("layers", leaf, i)].astype(np.float32))
+        params["layers"][leaf] = jnp.asarray(np.stack(per_layer), dt)
+    return cfg, params
+
+
+def save_checkpoint(
+    path: str,
+    cfg: ModelConfig,
+    params: Mapping,
+    tokenizer=None,
+    generation_config: Mapping | None = None,
+) -> None:
+    """Writes an HF-compatible directory (config.json, model.safetensors, tokenizer.json).
+
+    The result loads with `transformers.AutoModelForCausalLM.from_pretrained(path)`.
+
+    Args:
+      path: output directory (created).
+      cfg: model config.
+      params: dense params pytree (quantized weights are saved with `jaxinfer.quant.save`).
+      tokenizer: optional `tokenizers.Tokenizer` saved as tokenizer.json.
+      generation_config: optional extra fields for generation_config.json.
+    """
+    for leaf in jax.tree_util.tree_leaves(params):
+        if not isinstance(leaf, jax.Array | np.ndarray) or not jnp.issubdtype(
+            leaf.dtype, jnp.floating
+        ):
+            raise ValueError(
+                "save_checkpoint writes dense float params only; use jaxinfer.quant.save for "
+                f"quantized params (found a leaf of dtype {getattr(leaf, 'dtype', type(leaf))})"
+            )
+    os.makedirs(path, exist_ok=True)
+    out: dict[str, np.ndarray] = {}
+    for key, (hf_name, transposed) in _hf_names(cfg).items():
+        arr = params[key[0]] if key[0] != "layers" else params["layers"][key[1]][key[2]]
+        arr = np.asarray(jax.device_get(arr))
+        out[hf_name] = np.ascontiguousarray(arr.T if transposed else arr)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_config(cfg), f, indent=2)
+    gen = {"_from_model_config": True}
+    if cfg.bos_token_id is not None:
+        gen["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_id is not None:
+        gen["eos_token_id"] = cfg.eos_token_id
+    gen.update(generation_config or {})
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(path, "tokenizer.json"))
+
+
+def load_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from `path/tokenizer.json` (or the file itself)."""
+    from tokenizers import Tokenizer
+
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise ValueError(f"no tokenizer.json at {path}")
+    return Tokenizer.from_file(file)

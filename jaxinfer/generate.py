@@ -1,0 +1,227 @@
+"""Batched generation: one ragged prefill, then decode in a `lax.while_loop` over the paged cache.
+
+The whole request batch is one compiled program: prefill writes every prompt into the cache
+and samples each first token; the loop then decodes all sequences together, one token per
+sequence per iteration, until every sequence has stopped. Shapes are bucketed to powers of two
+(batch, prompt tokens, blocks per sequence, new tokens) so new prompt lengths within a bucket
+reuse the compilation; `TRACE_COUNTS` counts compilations for tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.cache.metadata import (
+    BatchMetadata,
+    SeqChunk,
+    bucket,
+    build_metadata,
+    contiguous_block_tables,
+)
+from jaxinfer.cache.paged import init_cache
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.decoder import forward
+from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
+
+TRACE_COUNTS: collections.Counter = collections.Counter()  # name -> times traced (= compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    """One request's result."""
+
+    token_ids: list[int]  # generated ids, prompt excluded, stop token included
+    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+
+
+def validate_requests(
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+) -> list[SamplingParams]:
+    """Checks prompts and sampling params; returns one SamplingParams per prompt.
+
+    Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
+    vocabulary, prompt + max_tokens beyond max_position_embeddings, a sampling list of the wrong
+    length, n != 1.
+    """
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+    if sampling is None:
+        sampling = SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        sampling = [sampling] * len(prompts)
+    sampling = list(sampling)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling[{i}] is {type(sp).__name__}, expected SamplingParams")
+        if sp.n != 1:
+            raise ValueError(f"sampling[{i}].n={sp.n}: ji.generate samples n=1; use ji.Engine")
+        if isinstance(p, str | bytes) or not isinstance(p, Sequence | np.ndarray) or len(p) == 0:
+            raise ValueError(f"prompt {i} is empty or not a list of token ids: {p!r}")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a flat list of ints, got dtype {arr.dtype}")
+        bad = arr[(arr < 0) | (arr >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, "
+                f"{cfg.vocab_size})"
+            )
+        if len(p) + sp.max_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i}: length {len(p)} + max_tokens {sp.max_tokens} = "
+                f"{len(p) + sp.max_tokens} exceeds max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+    return sampling
+
+
+def stop_table(cfg: ModelConfig, sampling: Sequence[SamplingParams], rows: int) -> np.ndarray:
+    """`[rows, n_stop]` int32 stop ids per request (eos unless ignore_eos), padded with -1."""
+    stops = []
+    for sp in sampling:
+        s = set(sp.stop_token_ids)
+        if cfg.eos_token_id is not None and not sp.ignore_eos:
+            s.add(cfg.eos_token_id)
+        stops.append(sorted(s))
+    width = bucket(max([len(s) for s in stops] + [1]))
+    table = np.full((rows, width), -1, np.int32)
+    for i, s in enumerate(stops):
+        table[i, : len(s)] = s
+    return table
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend"))
+def _generate_core(
+    params: dict,
+    prefill: BatchMetadata,  # the ragged prompt batch; B padded rows of logits
+    tables: jax.Array,  # [B, M] int32 each sequence's blocks
+    prompt_lens: jax.Array,  # [B] int32 (0 for padding rows)
+    sb: SamplingBatch,  # [B] rows
+    stops: jax.Array,  # [B, n_stop] int32, -1 padded
+    max_tokens: jax.Array,  # [B] int32 (0 for padding rows)
+    *,
+    cfg: ModelConfig,
+    max_new: int,
+    block_size: int,
+    backend: str,
+):
+    TRACE_COUNTS["generate"] += 1
+    b, m = tables.shape
+    cache = init_cache(cfg, 1 + b * m, block_size)
+    logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
+    first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len
+
+    def is_stop(tok):  # [B] -> [B] bool
+        return jnp.any(tok[:, None] == stops, axis=-1)
+
+    real = max_tokens > 0
+    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(first)
+    n_out = real.astype(jnp.int32)
+    stopped = real & is_stop(first)
+    done = ~real | stopped | (n_out >= max_tokens)
+
+    def cond(state):
+        *_, done, _, step = state
+        # Stop when every sequence has hit a stop token or its max_tokens; the step bound
+        # is a guard (max_tokens <= max_new already bounds the loop).
+        return ~jnp.all(done) & (step < max_new)
+
+    def body(state):
+        cache, last, lens, out, n_out, done, stopped, step = state
+        # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
+        slot = tables[jnp.arange(b), lens // block_size] * block_size + lens % block_size
+        batch = BatchMetadata(
+            tokens=last,
+            positions=lens,
+            query_start=jnp.arange(b + 1, dtype=jnp.int32),
+            seq_lens=lens + 1,
+            block_tables=tables,
+            slot_mapping=slot,
+            logits_indices=jnp.arange(b, dtype=jnp.int32),
+        )
+        logits, cache = forward(params, cfg, batch, cache, backend=backend)
+        new = sample(logits, sb, lens + 1)
+        live = ~done
+        out = out.at[jnp.arange(b), jnp.minimum(n_out, max_new - 1)].set(
+            jnp.where(live, new, out[jnp.arange(b), jnp.minimum(n_out, max_new - 1)])
+        )
+        n_out = n_out + live
+        hit = live & is_stop(new)
+        stopped = stopped | hit
+        done = done | hit | (n_out >= max_tokens)
+        lens = lens + live
+        last = jnp.where(live, new, last)
+        return cache, last, lens, out, n_out, done, stopped, step + 1
+
+    state = (cache, first, prompt_lens, out, n_out, done, stopped, jnp.int32(1))
+    _, _, _, out, n_out, _, stopped, _ = jax.lax.while_loop(cond, body, state)
+    return out, n_out, stopped
+
+
+def generate(
+    cfg: ModelConfig,
+    params: dict,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    block_size: int = 16,
+    backend: str = "auto",
+) -> list[GenerationOutput]:
+    """Generates a continuation for each prompt.
+
+    Args:
+      cfg: model config.
+      params: params pytree (dense or quantized).
+      prompts: token-id lists of any lengths.
+      sampling: one SamplingParams for all prompts, or one per prompt.
+      block_size: tokens per KV block.
+      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+
+    Returns:
+      One GenerationOutput per prompt, in order.
+    """
+    sampling = validate_requests(cfg, prompts, sampling)
+    n = len(prompts)
+    b = bucket(n)
+    lens = [len(p) for p in prompts]
+    max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
+    m = bucket(-(-(max(lens) + max_new) // block_size))
+    tables = contiguous_block_tables(b, m)
+    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
+    prefill, _ = build_metadata(
+        chunks, block_size, num_tokens=bucket(sum(lens), 16), num_seqs=b, max_blocks=m,
+        num_logits=b,
+    )  # fmt: skip
+    prompt_lens = np.zeros(b, np.int32)
+    prompt_lens[:n] = lens
+    max_tokens = np.zeros(b, np.int32)
+    max_tokens[:n] = [sp.max_tokens for sp in sampling]
+    out, n_out, stopped = _generate_core(
+        params,
+        prefill,
+        tables,
+        prompt_lens,
+        SamplingBatch.from_params(sampling, pad_to=b),
+        stop_table(cfg, sampling, b),
+        max_tokens,
+        cfg=cfg,
+        max_new=max_new,
+        block_size=block_size,
+        backend=backend,
+    )
+    out, n_out, stopped = jax.device_get((out, n_out, stopped))
+    return [
+        GenerationOutput(out[i, : n_out[i]].tolist(), "stop" if stopped[i] else "length")
+        for i in range(n)
+    ]

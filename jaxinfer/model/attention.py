@@ -1,0 +1,64 @@
+"""The attention block: projections, RoPE, cache write, attention op, output projection.
+
+Takes the cache in and returns the new cache (gemma's `_modules.py` pattern); the dense variant
+used by `forward_dense` shares the projections and RoPE.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.cache.metadata import BatchMetadata
+from jaxinfer.cache.paged import PagedKVCache, write_kv
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.layers import apply_rope
+from jaxinfer.ops.attention import dense_causal_attention, paged_attention
+from jaxinfer.ops.linear import linear
+
+
+def project_qkv(h: jax.Array, lp: dict, cfg: ModelConfig, positions: jax.Array):
+    """`h [..., T, E]`, `positions [..., T]` -> q `[..., T, H, D]`, k, v `[..., T, K, D]`, roped."""
+    lead = h.shape[:-1]
+    q = linear(h, lp["wq"], lp.get("bq")).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["wk"], lp.get("bk")).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["wv"], lp.get("bv")).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
+
+
+def paged_attention_block(
+    h: jax.Array,
+    lp: dict,
+    cfg: ModelConfig,
+    batch: BatchMetadata,
+    cache: PagedKVCache,
+    layer: jax.Array,
+    backend: str,
+) -> tuple[jax.Array, PagedKVCache]:
+    """One layer's attention over the ragged batch: `h [T, E]` -> (`[T, E]`, cache)."""
+    q, k, v = project_qkv(h, lp, cfg, batch.positions)  # [T, H, D], [T, K, D], [T, K, D]
+    cache = write_kv(cache, layer, k, v, batch.slot_mapping)
+    k_scale = None if cache.k_scale is None else cache.k_scale[layer]
+    v_scale = None if cache.v_scale is None else cache.v_scale[layer]
+    out = paged_attention(
+        q,
+        cache.k[layer],  # [num_blocks, K, S, D]
+        cache.v[layer],
+        batch.query_start,
+        batch.seq_lens,
+        batch.block_tables,
+        sliding_window=cfg.sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        backend=backend,
+    )  # [T, H, D]
+    t = h.shape[0]
+    return linear(out.reshape(t, cfg.num_heads * cfg.head_dim), lp["wo"]), cache
+
+
+def dense_attention_block(h: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """Causal self-attention over whole sequences: `h [B, S, E]` -> `[B, S, E]`."""
+    bsz, n, _ = h.shape
+    positions = jax.numpy.broadcast_to(jax.numpy.arange(n), (bsz, n))
+    q, k, v = project_qkv(h, lp, cfg, positions)
+    out = dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window)  # [B, S, H, D]
+    return linear(out.reshape(bsz, n, cfg.num_heads * cfg.head_dim), lp["wo"])

@@ -1,0 +1,92 @@
+"""The decoder: one `lax.scan` over stacked layers, paged (`forward`) or dense (`forward_dense`).
+
+Both forwards share every layer function; `forward` serves prefill, chunked prefill, decode and
+speculative verification over the ragged batch of `BatchMetadata`, in any mix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.cache.metadata import BatchMetadata
+from jaxinfer.cache.paged import PagedKVCache
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.attention import dense_attention_block, paged_attention_block
+from jaxinfer.model.layers import rms_norm, swiglu
+from jaxinfer.model.params import lm_head
+from jaxinfer.ops.linear import linear
+
+
+def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """Residual MLP sub-block: `x [..., E]` -> `x + mlp(norm(x))`."""
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+
+
+def logits_from_hidden(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm and LM head: `[..., E]` -> float32 logits `[..., V]`."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return linear(x, lm_head(params)).astype(jnp.float32)
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    batch: BatchMetadata,
+    cache: PagedKVCache,
+    *,
+    backend: str = "auto",
+) -> tuple[jax.Array, PagedKVCache]:
+    """Runs the ragged paged batch through the model, writing its K/V into the cache.
+
+    Args:
+      params: the params pytree (dense or quantized linears).
+      cfg: the model config (static).
+      batch: the step's metadata; `batch.tokens [T]`.
+      cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.
+      backend: attention backend, see `jaxinfer.ops.BACKENDS`.
+
+    Returns:
+      (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache).
+    """
+    x = params["embed"][batch.tokens]  # [T, E]
+
+    def layer(carry, xs):
+        x, cache = carry
+        lp, i = xs
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        attn, cache = paged_attention_block(h, lp, cfg, batch, cache, i, backend)
+        x = mlp_block(x + attn, lp, cfg)
+        return (x, cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
+    return logits_from_hidden(params, cfg, x[batch.logits_indices]), cache
+
+
+def decoder_layer_dense(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """One full decoder layer over whole sequences: `x [B, S, E]` -> `[B, S, E]`."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    x = x + dense_attention_block(h, lp, cfg)
+    return mlp_block(x, lp, cfg)
+
+
+def forward_dense(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Scores whole sequences without a cache (training, scoring, calibration).
+
+    Args:
+      params: the params pytree.
+      cfg: the model config (static).
+      tokens: `[B, S]` int32, every sequence starting at position 0.
+
+    Returns:
+      logits `[B, S, V]` float32.
+    """
+    x = params["embed"][tokens]  # [B, S, E]
+
+    def layer(x, lp):
+        return decoder_layer_dense(x, lp, cfg), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return logits_from_hidden(params, cfg, x)

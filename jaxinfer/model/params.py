@@ -1,0 +1,79 @@
+"""Parameter pytree: random init (tests, training from scratch) and shapes without allocating.
+
+Layout (per-layer weights stacked on a leading L axis so the decoder is one `lax.scan`; a linear
+weight is `[in, out]`, applied as `x @ w`):
+
+  embed       [V, E]
+  layers/
+    attn_norm [L, E]        mlp_norm [L, E]
+    wq [L, E, H*D]  wk [L, E, K*D]  wv [L, E, K*D]  wo [L, H*D, E]
+    bq [L, H*D]     bk [L, K*D]     bv [L, K*D]       (only with cfg.attention_bias)
+    w_gate [L, E, F]  w_up [L, E, F]  w_down [L, F, E]
+  final_norm  [E]
+  lm_head     [E, V]        (absent with cfg.tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Random parameters: normal(0, std) weights, unit norm weights, zero biases.
+
+    Args:
+      cfg: the model config.
+      key: a PRNG key.
+      std: standard deviation of the weights (GPT-2 / HF `initializer_range`).
+
+    Returns:
+      The params pytree described in this module's docstring, in `cfg.dtype`.
+    """
+    e, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dt = cfg.jnp_dtype
+    shapes = {
+        "wq": (n, e, hd),
+        "wk": (n, e, kd),
+        "wv": (n, e, kd),
+        "wo": (n, hd, e),
+        "w_gate": (n, e, f),
+        "w_up": (n, e, f),
+        "w_down": (n, f, e),
+    }
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {
+        name: (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+        for k, (name, shape) in zip(keys, shapes.items())
+    }
+    layers["attn_norm"] = jnp.ones((n, e), dt)
+    layers["mlp_norm"] = jnp.ones((n, e), dt)
+    if cfg.attention_bias:
+        layers["bq"] = jnp.zeros((n, hd), dt)
+        layers["bk"] = jnp.zeros((n, kd), dt)
+        layers["bv"] = jnp.zeros((n, kd), dt)
+    params = {
+        "embed": (std * jax.random.normal(keys[-2], (v, e), jnp.float32)).astype(dt),
+        "layers": layers,
+        "final_norm": jnp.ones((e,), dt),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = (std * jax.random.normal(keys[-1], (e, v), jnp.float32)).astype(dt)
+    return params
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The params pytree as `jax.ShapeDtypeStruct`s, computed without allocating anything."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def lm_head(params: dict):
+    """The output projection `[E, V]` (the transposed embedding when tied)."""
+    if "lm_head" in params:
+        return params["lm_head"]
+    return params["embed"].T

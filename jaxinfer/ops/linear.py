@@ -1,0 +1,64 @@
+"""`linear(x, w, b)`: the one place a weight is applied, dispatching on the weight's type.
+
+The model calls this for every projection, so quantized weight pytrees plug in without the model
+branching on quantization. A dense weight is an array `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant.formats import Int4Weight, Int8Weight, dequantize_rows, quantize_per_token
+
+
+def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+    """y = x @ w (+ b), in x's dtype.
+
+    Args:
+      x: activations `[..., in]`.
+      w: a dense `[in, out]` array or a quantized weight pytree (see `jaxinfer.quant.formats`).
+      b: optional bias `[out]`.
+
+    Returns:
+      `[..., out]` in x's dtype.
+    """
+    if isinstance(w, jax.Array | jnp.ndarray):
+        y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    elif isinstance(w, Int4Weight):
+        y = _int4_linear(x, w)
+    elif isinstance(w, Int8Weight):
+        y = _int8_w8a8(x, w) if w.act_quant else _int8_w8a16(x, w)
+    else:
+        raise TypeError(f"linear: unsupported weight type {type(w).__name__}")
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------- quantized weights (XLA path)
+# Dequantize-and-dot. Int4: the same arithmetic as `quant.formats.dequantize` followed by the
+# dense path, so `linear(x, w) == linear(x, dequantize(w))` exactly. Int8: the per-column scale is
+# applied after the reduction (equal up to float rounding). The Pallas kernels
+# (pallas_kernels/int4_matmul.py, int8_matmul.py) compute the same products and plug in here.
+
+
+def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)  # [..., in] in the weight's stored row order
+    wd = dequantize_rows(w, x.dtype)  # [in, out]
+    return jnp.dot(x, wd, preferred_element_type=jnp.float32)
+
+
+def _int8_w8a16(x: jax.Array, w: Int8Weight) -> jax.Array:
+    # The per-output-channel scale is constant along `in`: applied once after the reduction.
+    y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # int8 exact in bf16
+    return y * w.scales.astype(jnp.float32)
+
+
+def _int8_w8a8(x: jax.Array, w: Int8Weight) -> jax.Array:
+    xq, xs = quantize_per_token(x)  # [..., in] int8, [...] float32
+    acc = jax.lax.dot_general(
+        xq, w.q, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+    )  # [..., out] int32, exact
+    return acc.astype(jnp.float32) * xs[..., None] * w.scales.astype(jnp.float32)

@@ -1,0 +1,166 @@
+"""Sampling: validated SamplingParams, logits processing in float32, Gumbel-max sampling.
+
+The *declared distribution* of a request is softmax of its logits after temperature, top-k,
+top-p and min-p, in that order. Sampling is Gumbel-max, `argmax(logits / T + g)` with
+`g ~ Gumbel(0, 1)` drawn from `fold_in(key(seed), position)`: a request's randomness depends only
+on its own seed and the position being sampled, never on its batch neighbours, and speculative
+decoding can reproduce plain sampling exactly by sharing the same noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated at construction.
+
+    Attributes:
+      temperature: 0 is greedy; otherwise logits are divided by it.
+      top_k: keep the k most likely tokens; 0 turns it off.
+      top_p: keep the smallest set whose probability reaches top_p (nucleus); 1 turns it off.
+      min_p: drop tokens less likely than min_p times the most likely one; 0 turns it off.
+      max_tokens: the most tokens to generate.
+      stop_token_ids: generation stops after emitting any of these (the stop token is kept).
+      seed: the request's randomness; same seed and prompt -> same output, in any batch.
+      ignore_eos: do not stop on the model's eos token.
+      n: parallel samples per prompt (the engine forks the prompt's blocks).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self):
+        def bad(field, expected):
+            raise ValueError(
+                f"SamplingParams.{field}={getattr(self, field)!r} is invalid: expected {expected}"
+            )
+
+        def is_int(v):
+            return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            bad("temperature", "a finite number >= 0")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an int >= 0 (0 = off)")
+        if not isinstance(self.top_p, int | float) or not (0 < self.top_p <= 1):
+            bad("top_p", "a number in (0, 1]")
+        if not isinstance(self.min_p, int | float) or not (0 <= self.min_p <= 1):
+            bad("min_p", "a number in [0, 1]")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an int >= 1")
+        if not is_int(self.seed) or not (0 <= self.seed < 2**31):
+            bad("seed", "an int in [0, 2**31)")
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "an int >= 1")
+        stops = self.stop_token_ids
+        if isinstance(stops, int | np.integer) or not all(is_int(s) and s >= 0 for s in stops):
+            bad("stop_token_ids", "a sequence of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings as device arrays, so one compiled step serves any mix."""
+
+    temperature: jax.Array  # [B] float32 (0 = greedy)
+    top_k: jax.Array  # [B] int32 (0 = off)
+    top_p: jax.Array  # [B] float32
+    min_p: jax.Array  # [B] float32
+    seed: jax.Array  # [B] int32
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], pad_to: int | None = None):
+        """Stacks per-request params; padding rows are greedy with seed 0."""
+        rows = list(params) + [SamplingParams(temperature=0.0)] * ((pad_to or 0) - len(params))
+        return cls(
+            temperature=np.array([p.temperature for p in rows], np.float32),
+            top_k=np.array([p.top_k for p in rows], np.int32),
+            top_p=np.array([p.top_p for p in rows], np.float32),
+            min_p=np.array([p.min_p for p in rows], np.float32),
+            seed=np.array([p.seed for p in rows], np.int32),
+        )
+
+    def take(self, idx: jax.Array) -> SamplingBatch:
+        """Rows `idx` (e.g. one row per verified position of a sequence)."""
+        return jax.tree.map(lambda x: x[idx], self)
+
+
+def process_logits(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Temperature, top-k, top-p and min-p on `logits [B, V]`; masked entries are -inf.
+
+    Returns float32 logits whose softmax is each row's declared distribution. Greedy rows
+    (temperature 0) are returned unscaled and unmasked: their distribution is the argmax.
+    """
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    greedy = sb.temperature <= 0
+    x = logits / jnp.where(greedy, 1.0, sb.temperature)[:, None]
+
+    sorted_desc = -jnp.sort(-x, axis=-1)  # [B, V]
+    # top-k: threshold at the k-th largest value (ties at the threshold are kept).
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
+    x = jnp.where(x < kth, _NEG_INF, x)
+    # top-p over what top-k kept: keep a sorted token if the mass before it is < top_p.
+    sorted_desc = jnp.where(sorted_desc < kth, _NEG_INF, sorted_desc)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = mass_before < sb.top_p[:, None]
+    last_kept = jnp.sum(keep_sorted, axis=-1) - 1  # [B] >= 0: the top token is always kept
+    p_thresh = jnp.take_along_axis(sorted_desc, last_kept[:, None], axis=-1)
+    x = jnp.where(x < p_thresh, _NEG_INF, x)
+    # min-p relative to the most likely token.
+    probs = jax.nn.softmax(x, axis=-1)
+    x = jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, -1, keepdims=True), _NEG_INF, x)
+    return jnp.where(greedy[:, None], logits, x)
+
+
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel(0, 1) noise `[B, V]` from `fold_in(key(seed), position)` per row."""
+
+    def one(seed, pos):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), pos), (vocab_size,))
+
+    return jax.vmap(one)(seeds, positions)
+
+
+def sample(logits: jax.Array, sb: SamplingBatch, positions: jax.Array) -> jax.Array:
+    """Samples one token per row of `logits [B, V]` at sequence `positions [B]` -> `[B]` int32.
+
+    `positions` is the position the sampled token will occupy in its sequence.
+    """
+    x = process_logits(logits, sb)
+    g = gumbel_noise(sb.seed, positions, logits.shape[-1])
+    sampled = jnp.argmax(x + g, axis=-1)
+    greedy = jnp.argmax(x, axis=-1)
+    return jnp.where(sb.temperature <= 0, greedy, sampled).astype(jnp.int32)
+
+
+def probs(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """The declared distribution `[B, V]` float32 (one-hot argmax for greedy rows)."""
+    x = process_logits(logits, sb)
+    onehot = jax.nn.one_hot(jnp.argmax(x, -1), x.shape[-1], dtype=jnp.float32)
+    return jnp.where(sb.temperature[:, None] <= 0, onehot, jax.nn.softmax(x, axis=-1))

@@ -1,0 +1,43 @@
+"""`score`: logits of whole sequences with no cache (the dense forward, jitted)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.decoder import forward_dense
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _score(params, tokens, cfg):
+    return forward_dense(params, cfg, tokens)
+
+
+def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
+    """Logits of every position.
+
+    Args:
+      cfg: model config.
+      params: params pytree.
+      tokens: `[B, S]` int token ids (every row starts at position 0).
+
+    Returns:
+      `[B, S, V]` float32 logits. Raises ValueError for a bad shape or out-of-vocabulary id.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.size == 0:
+        raise ValueError(f"tokens must be a non-empty [B, S] int array, got {tokens.shape}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(
+            f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    if tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
+            f"{cfg.max_position_embeddings}"
+        )
+    return _score(params, tokens.astype(jnp.int32), cfg)
