@@ -259,10 +259,9 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         hf["max_window_layers"] = cfg.num_layers
         if not cfg.attention_bias:
             raise ValueError("Qwen2ForCausalLM always has qkv bias; set attention_bias=True")
-    if cfg.bos_token_id is not None:
-        hf["bos_token_id"] = cfg.bos_token_id
-    if cfg.eos_token_id is not None:
-        hf["eos_token_id"] = cfg.eos_token_id
+    # Written even when None, so transformers does not fill in its own defaults (1 and 2).
+    hf["bos_token_id"] = cfg.bos_token_id
+    hf["eos_token_id"] = cfg.eos_token_id
     return hf
 
 
@@ -318,7 +317,7 @@ PRESETS: dict[str, ModelConfig] = {
     # About 5 M parameters (6 layers, hidden 256): the decode benchmark's model.
     "bench-5m": ModelConfig(
         vocab_size=4096, hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=32,
-        intermediate_size=768, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        intermediate_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
     ),
 }
 

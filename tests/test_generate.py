@@ -1,0 +1,119 @@
+"""Generation: batch invariance, stop conditions, bucketing (compile counts), bad input."""
+
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.generate import TRACE_COUNTS
+from tests.helpers import random_params
+
+CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, seed=7)
+
+
+def _prompts(n, seed=0, lo=1, hi=40):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, CFG.vocab_size, rng.randint(lo, hi)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        ji.SamplingParams(temperature=0, max_tokens=12),
+        ji.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=12, seed=11),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_batch_invariance(params, sp):
+    prompts = _prompts(8, seed=1)
+    target = prompts[3]
+    alone = ji.generate(CFG, params, [target], sp)[0].token_ids
+    order = np.random.RandomState(2).permutation(8)
+    batch = ji.generate(CFG, params, [prompts[i] for i in order], sp)
+    inside = batch[int(np.where(order == 3)[0][0])].token_ids
+    assert alone == inside
+    assert len(alone) == 12
+
+
+def test_sampling_depends_on_seed_only(params):
+    prompt = _prompts(1, seed=4)[0]
+    a = ji.generate(CFG, params, [prompt], ji.SamplingParams(temperature=1.0, max_tokens=16))
+    b = ji.generate(CFG, params, [prompt], ji.SamplingParams(temperature=1.0, max_tokens=16))
+    c = ji.generate(
+        CFG, params, [prompt], ji.SamplingParams(temperature=1.0, max_tokens=16, seed=1)
+    )
+    assert a[0].token_ids == b[0].token_ids
+    assert a[0].token_ids != c[0].token_ids
+
+
+def test_greedy_matches_stepwise_argmax(params):
+    """The while_loop decode equals re-scoring the growing sequence with the dense forward."""
+    prompt = _prompts(1, seed=5)[0]
+    out = ji.generate(CFG, params, [prompt], ji.SamplingParams(temperature=0, max_tokens=10))
+    seq = list(prompt)
+    for _ in range(10):
+        seq.append(int(np.argmax(np.asarray(ji.score(CFG, params, [seq]))[0, -1])))
+    assert out[0].token_ids == seq[len(prompt) :]
+
+
+def test_per_request_max_tokens_and_stop_tokens(params):
+    prompts = _prompts(3, seed=6)
+    greedy = ji.generate(CFG, params, prompts, ji.SamplingParams(temperature=0, max_tokens=20))
+    stop_tok = greedy[1].token_ids[4]
+    first_hit = greedy[1].token_ids.index(stop_tok)
+    sps = [
+        ji.SamplingParams(temperature=0, max_tokens=3),
+        ji.SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(stop_tok,)),
+        ji.SamplingParams(temperature=0, max_tokens=20),
+    ]
+    outs = ji.generate(CFG, params, prompts, sps)
+    assert outs[0].token_ids == greedy[0].token_ids[:3] and outs[0].finish_reason == "length"
+    assert outs[1].token_ids == greedy[1].token_ids[: first_hit + 1]
+    assert outs[1].finish_reason == "stop"
+    assert outs[2].token_ids == greedy[2].token_ids
+
+
+def test_eos_from_config_stops_unless_ignored(params):
+    prompt = _prompts(1, seed=8)[0]
+    free = ji.generate(CFG, params, [prompt], ji.SamplingParams(temperature=0, max_tokens=12))
+    eos = free[0].token_ids[2]
+    cfg = CFG.replace(eos_token_id=eos)
+    stopped = ji.generate(cfg, params, [prompt], ji.SamplingParams(temperature=0, max_tokens=12))
+    assert stopped[0].token_ids == free[0].token_ids[: free[0].token_ids.index(eos) + 1]
+    ignored = ji.generate(
+        cfg, params, [prompt], ji.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert ignored[0].token_ids == free[0].token_ids
+
+
+def test_prompt_lengths_within_a_bucket_do_not_recompile(params):
+    sp = ji.SamplingParams(temperature=0, max_tokens=5)
+    ji.generate(CFG, params, [[1] * 20, [2] * 30], sp)  # 50 tokens -> T bucket 64, B 2
+    before = TRACE_COUNTS["generate"]
+    ji.generate(CFG, params, [[3] * 25, [4] * 33], sp)  # 58 tokens: same buckets
+    ji.generate(CFG, params, [[5] * 17, [6] * 40], sp)
+    assert TRACE_COUNTS["generate"] == before
+    ji.generate(CFG, params, [[7] * 3, [8] * 4, [9] * 5], sp)  # B 3 -> bucket 4: new program
+    assert TRACE_COUNTS["generate"] == before + 1
+
+
+@pytest.mark.parametrize(
+    "prompts, sp, match",
+    [
+        ([], None, "non-empty"),
+        ([[1, 2], []], None, "prompt 1 is empty"),
+        ([[1, 2, 128]], None, "token id 128 outside the vocabulary"),
+        ([[1, -1]], None, "token id -1 outside the vocabulary"),
+        ([[1] * 250], ji.SamplingParams(max_tokens=10), "exceeds max_position_embeddings 256"),
+        ([[1], [2]], [ji.SamplingParams()], "1 SamplingParams for 2 prompts"),
+        ([[1]], ji.SamplingParams(n=2), "n=2"),
+        ("hello", None, "non-empty list"),
+    ],
+)
+def test_bad_input_raises(params, prompts, sp, match):
+    with pytest.raises(ValueError, match=match):
+        ji.generate(CFG, params, prompts, sp)
