@@ -42,6 +42,37 @@ def _median_time(fn, repeats):
     return statistics.median(times)
 
 
+def _bench_batch(cfg, params, hf, b: int) -> dict:
+    """Times both libraries on the same b prompts; returns one result row."""
+    import torch
+
+    n_new = _NEW_TOKENS.value
+    prompts = np.random.RandomState(b).randint(3, cfg.vocab_size, (b, _PROMPT_LEN.value))
+    sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    ji.generate(cfg, params, prompts.tolist(), sp)  # compile
+    t_ji = _median_time(lambda: ji.generate(cfg, params, prompts.tolist(), sp), _REPEATS.value)
+    ids = torch.tensor(prompts)
+
+    def hf_run():
+        with torch.no_grad():
+            hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                min_new_tokens=n_new, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+
+    hf_run()  # warm-up
+    t_hf = _median_time(hf_run, _REPEATS.value)
+    row = {
+        "batch": b,
+        "jaxinfer_tok_s": b * n_new / t_ji,
+        "transformers_tok_s": b * n_new / t_hf,
+        "transformers_ms_per_step": 1000 * t_hf / n_new,
+        "speedup": t_hf / t_ji,
+    }
+    print(json.dumps(row))
+    return row
+
+
 def main(argv):
     del argv
     import torch
@@ -55,31 +86,7 @@ def main(argv):
     cfg, params = ji.load_checkpoint(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     n_new = _NEW_TOKENS.value
-    rows = []
-    for b in map(int, _BATCH_SIZES.value):
-        prompts = np.random.RandomState(b).randint(3, cfg.vocab_size, (b, _PROMPT_LEN.value))
-        sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-        ji.generate(cfg, params, prompts.tolist(), sp)  # compile
-        t_ji = _median_time(lambda: ji.generate(cfg, params, prompts.tolist(), sp), _REPEATS.value)
-
-        def hf_run():
-            with torch.no_grad():
-                hf.generate(
-                    torch.tensor(prompts), attention_mask=torch.ones_like(torch.tensor(prompts)),
-                    max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0,
-                )  # fmt: skip
-
-        hf_run()  # warm-up
-        t_hf = _median_time(hf_run, _REPEATS.value)
-        row = {
-            "batch": b,
-            "jaxinfer_tok_s": b * n_new / t_ji,
-            "transformers_tok_s": b * n_new / t_hf,
-            "transformers_ms_per_step": 1000 * t_hf / n_new,
-            "speedup": t_hf / t_ji,
-        }
-        rows.append(row)
-        print(json.dumps(row))
+    rows = [_bench_batch(cfg, params, hf, b) for b in map(int, _BATCH_SIZES.value)]
     result = {
         "model": _MODEL.value or "random bench-5m",
         "params": cfg.num_params(),

@@ -269,6 +269,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 # Presets: the real shapes (for memory reports and GPU benchmarks) and tiny test configs.
 # --------------------------------------------------------------------------------------------
 
+# fmt: off
 PRESETS: dict[str, ModelConfig] = {
     "llama2-7b": ModelConfig(
         vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
@@ -320,6 +321,7 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
     ),
 }
+# fmt: on
 
 
 def preset(name: str) -> ModelConfig:

@@ -63,7 +63,9 @@ def test_missing_tensor_is_named(saved):
     tensors = load_file(os.path.join(path, "model.safetensors"))
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     _rewrite(path, tensors)
-    with pytest.raises(ValueError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_proj\.bias"):
+    with pytest.raises(
+        ValueError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_proj\.bias"
+    ):
         ji.load_checkpoint(path)
 
 
@@ -72,7 +74,9 @@ def test_unexpected_tensor_is_named(saved):
     tensors = load_file(os.path.join(path, "model.safetensors"))
     tensors["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
     _rewrite(path, tensors)
-    with pytest.raises(ValueError, match=r"unexpected tensor.*model\.layers\.0\.mlp\.extra\.weight"):
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor.*model\.layers\.0\.mlp\.extra\.weight"
+    ):
         ji.load_checkpoint(path)
 
 

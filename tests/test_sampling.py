@@ -86,9 +86,7 @@ def test_greedy_rows_are_argmax_and_unmasked():
     x = process_logits(logits, sb)
     np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(logits[0]))
     toks = sample(logits, sb, jnp.zeros(3, jnp.int32))
-    assert int(toks[0]) == int(jnp.argmax(logits[0])) and int(toks[2]) == int(
-        jnp.argmax(logits[2])
-    )
+    assert int(toks[0]) == int(jnp.argmax(logits[0])) and int(toks[2]) == int(jnp.argmax(logits[2]))
 
 
 def _chi2_pvalue(counts, probs_):

@@ -18,7 +18,7 @@ _MASKED = -1e30  # finite, so a row with no live key gives zeros instead of NaN
 
 
 def resolve_backend(backend: str) -> str:
-    """"auto" -> "pallas" on GPU, "reference" elsewhere; validates the name."""
+    """ "auto" -> "pallas" on GPU, "reference" elsewhere; validates the name."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
