@@ -1,0 +1,189 @@
+"""Requests and per-sequence state, as the host scheduler sees them.
+
+A `Request` is what a client submits: a prompt and sampling parameters. The scheduler only reads
+three of those parameters (`max_tokens`, `stop_token_ids`, `n`) and passes the object through
+untouched, so any object with these attributes works (`jaxinfer.sampling.SamplingParams` in the
+engine, a small dataclass in tests). A request with `n > 1` becomes n `Sequence`s: the first one
+prefills the prompt, the others are forked from it after the prefill and share its KV blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from collections.abc import Hashable
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # submitted, never scheduled
+    RUNNING = "running"  # holds KV blocks; scheduled every step it fits
+    PREEMPTED = "preempted"  # blocks freed; waits to recompute prompt + generated tokens
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # sampled a stop token (kept in the output)
+    LENGTH = "length"  # reached max_tokens
+    ABORT = "abort"  # aborted by the client
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A generation request.
+
+    Args:
+      request_id: a hashable id, unique among live requests.
+      prompt_token_ids: the prompt, at least one token id.
+      sampling_params: any object with `max_tokens` (int >= 1), `stop_token_ids` (ints, or None)
+        and optionally `n` (int >= 1, default 1); other fields are opaque to the scheduler.
+      arrival_time: when the request arrived, in the caller's clock (seconds).
+    """
+
+    request_id: Hashable
+    prompt_token_ids: list[int]  # [P]
+    sampling_params: Any
+    arrival_time: float = 0.0
+
+    def __post_init__(self):
+        prompt = self.prompt_token_ids
+        try:
+            if isinstance(prompt, (str, bytes)):
+                raise TypeError
+            prompt = list(prompt)
+        except TypeError:
+            raise ValueError(
+                f"request {self.request_id!r}: prompt_token_ids must be a sequence of ints, "
+                f"got {type(self.prompt_token_ids).__name__}"
+            ) from None
+        if len(prompt) == 0:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
+        if not all(_is_int(t) and int(t) >= 0 for t in prompt):
+            raise ValueError(
+                f"request {self.request_id!r}: prompt_token_ids must be ints >= 0, got {prompt!r}"
+            )
+        self.prompt_token_ids = [int(t) for t in prompt]
+        sp = self.sampling_params
+        for name in ("max_tokens", "stop_token_ids"):
+            if not hasattr(sp, name):
+                raise ValueError(
+                    f"request {self.request_id!r}: sampling_params needs a {name!r} attribute; "
+                    f"got {type(sp).__name__}"
+                )
+        if not _is_int(sp.max_tokens) or int(sp.max_tokens) < 1:
+            raise ValueError(
+                f"request {self.request_id!r}: max_tokens must be an int >= 1, got "
+                f"{sp.max_tokens!r}"
+            )
+        n = getattr(sp, "n", 1)
+        if not _is_int(n) or int(n) < 1:
+            raise ValueError(f"request {self.request_id!r}: n must be an int >= 1, got {n!r}")
+        stop = () if sp.stop_token_ids is None else tuple(sp.stop_token_ids)
+        if not all(_is_int(t) for t in stop):
+            raise ValueError(
+                f"request {self.request_id!r}: stop_token_ids must be ints, got {stop!r}"
+            )
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sampling_params.max_tokens)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        stop = self.sampling_params.stop_token_ids
+        return frozenset() if stop is None else frozenset(int(t) for t in stop)
+
+    @property
+    def n(self) -> int:
+        return int(getattr(self.sampling_params, "n", 1))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sampled continuation of a request, with the scheduler's bookkeeping.
+
+    `token_ids[:num_computed]` have their K/V in the cache; the rest are computed in coming steps.
+    A decoding sequence has exactly one uncomputed token: the one sampled last step.
+    """
+
+    seq_id: int
+    request: Request
+    sample_index: int  # 0 for the sequence that prefills; 1..n-1 for its forks
+    token_ids: list[int]  # [P + generated] prompt then generated tokens
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    prefill_end: int = 0  # len(token_ids) at the last admission: below it, the step is a prefill
+    forked: bool = False  # the prefilling sequence of an n > 1 request has forked its siblings
+
+    @property
+    def request_id(self) -> Hashable:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_end
+
+    @property
+    def num_seats(self) -> int:
+        """Batch rows this sequence reserves: n for a prefilling parent that will fork, else 1."""
+        if self.sample_index == 0 and not self.forked:
+            return self.request.n
+        return 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_tokens(self, new_token_ids: SequenceABC[int]) -> list[int]:
+        """Appends sampled tokens up to the first stop condition.
+
+        Stops after a stop token (which is kept) or when the output reaches `max_tokens`; sets
+        `status` and `finish_reason` then. Tokens after the stop are dropped.
+
+        Returns:
+          The tokens actually appended.
+        """
+        accepted = []
+        stop = self.request.stop_token_ids
+        for t in new_token_ids:
+            t = int(t)
+            self.token_ids.append(t)
+            accepted.append(t)
+            if t in stop:
+                self.finish(FinishReason.STOP)
+                break
+            if self.num_output_tokens >= self.request.max_tokens:
+                self.finish(FinishReason.LENGTH)
+                break
+        return accepted
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,437 @@
+"""Host-side continuous-batching scheduler: waiting/running queues -> one `Schedule` per step.
+
+The scheduler only touches host state (the `BlockAllocator` and the sequences) and returns a plain
+`Schedule`; the engine turns it into batch metadata, applies the block copies, runs one jitted step
+and hands the sampled tokens back to `update`. Every `schedule()` must be followed by `update()`.
+
+Policy, per step, under `max_num_seqs` batch rows and `max_num_batched_tokens` tokens:
+
+1. running sequences that decode, oldest first (a decode that needs a block and finds none
+   preempts the newest running sequence not yet scheduled this step, possibly itself);
+2. running sequences whose prefill is unfinished (chunked prefill only), oldest first;
+3. waiting sequences, first come first served, while blocks, rows and tokens last; none in a step
+   that preempted. The head of the queue blocks the rest (strict FCFS).
+
+Preemption is by recompute: the victim's blocks are freed and it goes back to the front of the
+waiting queue with its generated tokens appended to what it must recompute (prefix caching may find
+most of them again). Without chunked prefill a prefill is scheduled whole or not at all.
+
+A request with `n > 1` prefills once; the step that computes the prompt's last token samples n
+tokens from its logits (`ScheduledSeq.sample_seq_ids`), and `update` forks the other n - 1
+sequences, which share every block; the first append into the shared partial block copies it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable, Mapping
+from collections.abc import Sequence as SequenceABC
+
+from jaxinfer.cache.allocator import BlockAllocator, NoFreeBlocksError
+from jaxinfer.engine.request import FinishReason, Request, SeqStatus, Sequence
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits.
+
+    Args:
+      max_num_seqs: running sequences at once (rows of the step's batch).
+      max_num_batched_tokens: tokens computed per step over all sequences; bounds step latency.
+      enable_chunked_prefill: split prompts across steps and mix them with decodes. Without it a
+        prompt is scheduled whole, so every request needs prompt + max_tokens - 1 <= the budget
+        (the longest recompute after a preemption).
+      long_prefill_threshold: with chunked prefill, at most this many prefill tokens per sequence
+        per step, so one long prompt cannot take the whole budget; None: no cap.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    long_prefill_threshold: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
+        t = self.long_prefill_threshold
+        if t is not None:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+                raise ValueError(
+                    f"SchedulerConfig.long_prefill_threshold must be None or an int >= 1, got {t!r}"
+                )
+            if not self.enable_chunked_prefill:
+                raise ValueError(
+                    "SchedulerConfig.long_prefill_threshold needs enable_chunked_prefill=True "
+                    f"(a prompt is otherwise scheduled whole), got threshold {t}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """What one sequence computes in a step."""
+
+    seq_id: int
+    request_id: Hashable
+    token_ids: list[int]  # [q_len] tokens whose K/V are written this step
+    start_pos: int  # position of token_ids[0] = tokens already in the KV cache
+    block_table: list[int]  # [cdiv(start_pos + q_len, S)] physical blocks for positions 0..end
+    sample: bool  # sample from the logits of the last token
+    sample_seq_ids: tuple[int, ...]  # one sampled token each, from those logits; () if not sample
+
+
+@dataclasses.dataclass
+class Schedule:
+    """One step's work. Apply `block_copies` (in order) before running the step."""
+
+    seqs: list[ScheduledSeq]  # [B] at most max_num_seqs, no sequence twice
+    block_copies: list[tuple[int, int]]  # (src, dst) whole-block copies, all layers
+    preempted_seq_ids: list[int]  # preempted this step (blocks already freed)
+    num_batched_tokens: int  # sum of len(token_ids) <= max_num_batched_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqOutput:
+    """New tokens of one sequence after a step (streaming)."""
+
+    request_id: Hashable
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool  # this sequence finished
+    finish_reason: FinishReason | None
+    request_finished: bool  # every sequence of the request finished
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a `BlockAllocator` (see the module docstring).
+
+    Args:
+      config: the scheduling limits.
+      allocator: the page manager of the KV cache the engine's step reads and writes.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+        self.config = config
+        self.allocator = allocator
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []  # admission order, oldest first
+        self._seqs: dict[int, Sequence] = {}  # live sequences
+        self._requests: dict[Hashable, list[Sequence]] = {}  # live requests
+        self._seq_ids: dict[Hashable, tuple[int, ...]] = {}  # live request -> its n seq ids
+        self._next_seq_id = 0
+        self._pending: Schedule | None = None
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------------------- views
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def num_seats_used(self) -> int:
+        """Batch rows held by running sequences, counting the forks a prefill will make."""
+        return sum(seq.num_seats for seq in self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def sequences(self, request_id: Hashable) -> list[Sequence]:
+        """The sequences of a live request, finished ones included ([] once it is done)."""
+        return list(self._requests.get(request_id, ()))
+
+    # --------------------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> tuple[int, ...]:
+        """Queues a request; returns the ids its n sequences will have (the first prefills).
+
+        Raises:
+          ValueError: the id is live already, or the request could never be scheduled: it needs
+            more blocks than the whole pool, more rows than max_num_seqs, or (without chunked
+            prefill) a longer prefill than the token budget.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already live")
+        cfg, S = self.config, self.allocator.block_size
+        P, M, n = request.num_prompt_tokens, request.max_tokens, request.n
+        usable = self.allocator.num_blocks - 1
+        if _cdiv(P + M, S) > usable:
+            raise ValueError(
+                f"request {rid!r} can never fit: {P} prompt + {M} max_tokens need "
+                f"{_cdiv(P + M, S)} KV blocks of {S} slots, the pool has {usable} usable blocks"
+            )
+        if n > cfg.max_num_seqs:
+            raise ValueError(
+                f"request {rid!r} asks for n={n} parallel samples but max_num_seqs is "
+                f"{cfg.max_num_seqs}"
+            )
+        if not cfg.enable_chunked_prefill and P + M - 1 > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"request {rid!r} can never be scheduled without chunked prefill: {P} prompt + "
+                f"{M} max_tokens - 1 = {P + M - 1} tokens to (re)compute in one step exceed "
+                f"max_num_batched_tokens {cfg.max_num_batched_tokens}"
+            )
+        ids = tuple(range(self._next_seq_id, self._next_seq_id + n))
+        self._next_seq_id += n
+        seq = Sequence(ids[0], request, 0, list(request.prompt_token_ids))
+        self._seqs[seq.seq_id] = seq
+        self._requests[rid] = [seq]
+        self._seq_ids[rid] = ids
+        self._waiting.append(seq)
+        return ids
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Frees every sequence of a request in any state; False if it is not live."""
+        seqs = self._requests.get(request_id)
+        if seqs is None:
+            return False
+        for seq in [s for s in seqs if not s.is_finished]:
+            if seq.status is SeqStatus.RUNNING:
+                self.allocator.free(seq.seq_id)
+                self._running.remove(seq)
+            elif seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED):
+                self._waiting.remove(seq)
+            seq.finish(FinishReason.ABORT)
+            self._retire(seq)
+        return True
+
+    # --------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> Schedule:
+        """Decides the next step (see the module docstring for the policy)."""
+        if self._pending is not None:
+            raise RuntimeError("schedule() called again before update() of the previous step")
+        cfg = self.config
+        chunked = cfg.enable_chunked_prefill
+        cap = cfg.long_prefill_threshold or cfg.max_num_batched_tokens
+        budget = cfg.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        copies: list[tuple[int, int]] = []
+        preempted: list[int] = []
+
+        # 1. Decodes, oldest first.
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.in_prefill:
+                continue  # preempted above, or a prefill (phase 2)
+            q = seq.num_uncomputed
+            if q > budget and not chunked:
+                continue
+            if not self._reserve_slots(seq, scheduled, copies, preempted):
+                continue  # preempted itself
+            q = min(q, budget)
+            out.append(self._scheduled(seq, q))
+            scheduled.add(seq.seq_id)
+            budget -= q
+
+        # 2. Unfinished prefills (their slots were reserved at admission), oldest first.
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled or not seq.in_prefill:
+                continue
+            q = seq.num_uncomputed
+            if chunked:
+                q = min(q, budget, cap)
+            elif q > budget:
+                continue
+            out.append(self._scheduled(seq, q))
+            scheduled.add(seq.seq_id)
+            budget -= q
+
+        # 3. Admissions, first come first served; none in a step that had to preempt.
+        while self._waiting and budget > 0 and not preempted:
+            seq = self._waiting[0]
+            if self.num_seats_used + seq.num_seats > cfg.max_num_seqs:
+                break
+            tokens = seq.token_ids
+            if not chunked:
+                cached = len(self.allocator.match_prefix(tokens)) * self.allocator.block_size
+                if len(tokens) - cached > budget:
+                    break
+            if not self.allocator.can_allocate(tokens):
+                break
+            seq.num_computed = self.allocator.allocate(seq.seq_id, tokens)
+            self._waiting.popleft()
+            seq.prefill_end = len(tokens)
+            seq.status = SeqStatus.RUNNING
+            self._running.append(seq)
+            q = seq.num_uncomputed
+            if chunked:
+                q = min(q, budget, cap)
+            out.append(self._scheduled(seq, q))
+            scheduled.add(seq.seq_id)
+            budget -= q
+
+        schedule = Schedule(
+            seqs=out,
+            block_copies=copies,
+            preempted_seq_ids=preempted,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+        )
+        self._pending = schedule
+        return schedule
+
+    def _reserve_slots(
+        self,
+        seq: Sequence,
+        scheduled: set[int],
+        copies: list[tuple[int, int]],
+        preempted: list[int],
+    ) -> bool:
+        """Reserves KV slots for the sequence's new tokens, preempting as needed.
+
+        Returns False if the sequence had to preempt itself.
+        """
+        new = seq.token_ids[self.allocator.num_tokens(seq.seq_id) :]
+        if not new:
+            return True
+        while True:
+            try:
+                copies.extend(self.allocator.append_slots(seq.seq_id, new))
+                return True
+            except NoFreeBlocksError:
+                # Newest running sequence not yet scheduled; `seq` itself qualifies.
+                victim = next(s for s in reversed(self._running) if s.seq_id not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.seq_id)
+        self._running.remove(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.PREEMPTED
+        self._waiting.appendleft(seq)  # newest preempted first, so the front stays FCFS
+        self.num_preemptions += 1
+
+    def _scheduled(self, seq: Sequence, q: int) -> ScheduledSeq:
+        start = seq.num_computed
+        end = start + q
+        sample = end == len(seq.token_ids)
+        sample_ids: tuple[int, ...] = ()
+        if sample:
+            ids = self._seq_ids[seq.request_id]
+            sample_ids = ids if seq.sample_index == 0 and not seq.forked else (seq.seq_id,)
+        table = self.allocator.block_table(seq.seq_id)[: _cdiv(end, self.allocator.block_size)]
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            request_id=seq.request_id,
+            token_ids=seq.token_ids[start:end],
+            start_pos=start,
+            block_table=table,
+            sample=sample,
+            sample_seq_ids=sample_ids,
+        )
+
+    # ----------------------------------------------------------------------------- update
+
+    def update(
+        self, schedule: Schedule, sampled: Mapping[int, SequenceABC[int]]
+    ) -> list[SeqOutput]:
+        """Applies a step's results: advances computed counts, appends sampled tokens, forks
+        n > 1 requests after their prefill, applies stop conditions and frees finished sequences.
+
+        Args:
+          schedule: the schedule returned by the last `schedule()`.
+          sampled: seq id -> tokens sampled for it (usually one), for every id in the
+            `sample_seq_ids` of the scheduled sequences; ids of sequences aborted since the
+            schedule are ignored.
+
+        Returns:
+          One `SeqOutput` per sequence that received tokens, in schedule order.
+        """
+        if schedule is not self._pending:
+            raise ValueError("update() needs the Schedule returned by the last schedule() call")
+        live = [s for s in schedule.seqs if self._is_live(s.seq_id)]
+        expected = {sid for s in live for sid in s.sample_seq_ids}
+        all_sampling = {sid for s in schedule.seqs for sid in s.sample_seq_ids}
+        missing = sorted(expected - set(sampled))
+        unexpected = sorted(set(sampled) - all_sampling)
+        empty = sorted(sid for sid in expected & set(sampled) if len(sampled[sid]) == 0)
+        if missing or unexpected or empty:
+            raise ValueError(
+                f"sampled tokens must cover exactly the sampling sequences of the schedule: "
+                f"missing {missing}, unexpected {unexpected}, empty {empty}"
+            )
+        self._pending = None
+
+        outputs: list[SeqOutput] = []
+        for s in live:
+            seq = self._seqs[s.seq_id]
+            seq.num_computed += len(s.token_ids)
+            self.allocator.mark_computed(seq.seq_id, seq.num_computed)
+            if not s.sample:
+                continue
+            targets = [seq]
+            if len(s.sample_seq_ids) > 1:
+                targets += [
+                    self._fork(seq, cid, j) for j, cid in enumerate(s.sample_seq_ids[1:], 1)
+                ]
+                seq.forked = True
+            for target in targets:
+                new = target.append_tokens(sampled[target.seq_id])
+                if target.is_finished:
+                    self.allocator.free(target.seq_id)
+                    self._running.remove(target)
+                    self._retire(target)
+                outputs.append(
+                    SeqOutput(
+                        request_id=target.request_id,
+                        seq_id=target.seq_id,
+                        new_token_ids=new,
+                        finished=target.is_finished,
+                        finish_reason=target.finish_reason,
+                        request_finished=target.request_id not in self._requests,
+                    )
+                )
+        return outputs
+
+    def _is_live(self, seq_id: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.status is SeqStatus.RUNNING
+
+    def _fork(self, parent: Sequence, child_id: int, sample_index: int) -> Sequence:
+        self.allocator.fork(parent.seq_id, child_id)
+        child = Sequence(
+            seq_id=child_id,
+            request=parent.request,
+            sample_index=sample_index,
+            token_ids=list(parent.token_ids),
+            num_computed=parent.num_computed,
+            status=SeqStatus.RUNNING,
+            prefill_end=parent.prefill_end,
+            forked=True,
+        )
+        self._seqs[child_id] = child
+        self._requests[parent.request_id].append(child)
+        self._running.append(child)
+        return child
+
+    def _retire(self, seq: Sequence) -> None:
+        """Forgets a finished sequence, and its request once no sequence of it is live."""
+        del self._seqs[seq.seq_id]
+        rid = seq.request_id
+        # The forks exist once the parent sampled, and the parent cannot finish before that
+        # unless aborted: all created sequences finished means the request is done.
+        if all(s.is_finished for s in self._requests[rid]):
+            del self._requests[rid]
+            del self._seq_ids[rid]
