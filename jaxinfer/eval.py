@@ -1,0 +1,286 @@
+"""Quality measurements: perplexity, top-1 accuracy, a unigram baseline, draft-target agreement.
+
+Every measure runs over fixed next-token windows `[N, S+1]` (inputs `w[:, :-1]`, targets
+`w[:, 1:]`), so different models are scored on exactly the same predictions. The standard budget
+(`standard_windows`) is the first `EVAL_TOKENS` = 65,536 tokens of the shipped test split's stream
+(documents wrapped in bos/eos) in windows of `EVAL_SEQ_LEN` = 256 tokens: 255 windows, 65,280
+predicted tokens, each predicted exactly once (`jaxinfer.data.eval_windows`).
+
+Device side: one jitted function per model config (per-window sums of cross entropy and correct
+top-1 predictions, and the argmax) and one per model pair (agreement and KL). Batches are padded to
+a fixed size so each runs one compilation; padded windows are dropped on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.decoder import forward_dense
+
+EVAL_TOKENS = 65_536  # the standard token budget: the first 64 Ki tokens of the test stream
+EVAL_SEQ_LEN = 256  # the window the embedded models were trained on
+EVAL_BATCH_SIZE = 16  # windows per jitted forward
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows
+# ---------------------------------------------------------------------------------------------
+
+
+def standard_windows(
+    tokenizer=None, seq_len: int = EVAL_SEQ_LEN, max_tokens: int = EVAL_TOKENS
+) -> np.ndarray:
+    """The standard evaluation windows over the shipped test split.
+
+    Args:
+      tokenizer: a `tokenizers.Tokenizer`; None for the shipped one.
+      seq_len: tokens per input window.
+      max_tokens: token budget read from the start of the test stream.
+
+    Returns:
+      [num_windows, seq_len + 1] int32.
+    """
+    from jaxinfer import data
+
+    tok = data.load_tokenizer() if tokenizer is None else tokenizer
+    stream = data.tokenize_documents(tok, data.load_split("test"))  # [N]
+    return data.eval_windows(stream, seq_len, max_tokens)
+
+
+def _as_windows(cfg: ModelConfig, tokens, seq_len: int, max_tokens: int | None) -> np.ndarray:
+    """Validates `[N, S+1]` windows, or cuts a 1-D stream into them (`data.eval_windows`)."""
+    from jaxinfer import data
+
+    arr = np.asarray(tokens)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {arr.dtype}")
+    if arr.ndim == 1:
+        budget = arr.shape[0] if max_tokens is None else max_tokens
+        arr = data.eval_windows(arr, seq_len, budget)
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2:
+        raise ValueError(
+            f"tokens must be a stream [N] or windows [N, S+1] with N >= 1 and S >= 1, got shape "
+            f"{np.asarray(tokens).shape}"
+        )
+    if arr.shape[1] - 1 > cfg.max_position_embeddings:
+        raise ValueError(
+            f"window inputs of {arr.shape[1] - 1} tokens exceed max_position_embeddings="
+            f"{cfg.max_position_embeddings}"
+        )
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(
+            f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    return arr.astype(np.int32)
+
+
+def _batches(windows: np.ndarray, batch_size: int, desc: str, progress: bool) -> Iterator:
+    """Yields (real count, [batch_size, S+1] batch), the last one padded with its last window."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    n = windows.shape[0]
+    starts = range(0, n, batch_size)
+    for start in tqdm(starts, desc=desc, disable=not progress, unit="batch"):
+        chunk = windows[start : start + batch_size]  # [<=B, S+1]
+        real = chunk.shape[0]
+        if real < batch_size:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
+        yield real, chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Jitted per-batch statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _window_stats(params: dict, windows: jax.Array, cfg: ModelConfig):
+    """Per window: summed cross entropy [B], correct top-1 count [B], and the argmax [B, S]."""
+    logits = forward_dense(params, cfg, windows[:, :-1])  # [B, S, V] float32
+    targets = windows[:, 1:]  # [B, S]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, S]
+    ce = jnp.sum(lse - picked, axis=-1)  # [B]
+    correct = jnp.sum(argmax == targets, axis=-1)  # [B]
+    return ce, correct, argmax
+
+
+@functools.partial(jax.jit, static_argnames=("cfg_a", "cfg_b"))
+def _pair_stats(params_a, params_b, windows, cfg_a: ModelConfig, cfg_b: ModelConfig):
+    """Per window: positions where the argmaxes agree [B], and summed KL(a || b) [B]."""
+    inputs = windows[:, :-1]  # [B, S]
+    log_p = jax.nn.log_softmax(forward_dense(params_a, cfg_a, inputs), axis=-1)  # [B, S, V]
+    log_q = jax.nn.log_softmax(forward_dense(params_b, cfg_b, inputs), axis=-1)  # [B, S, V]
+    agree = jnp.sum(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1), axis=-1)  # [B]
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
+    return agree, kl
+
+
+# ---------------------------------------------------------------------------------------------
+# Public measures
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LMStats:
+    """Next-token statistics of one model over a set of windows."""
+
+    num_tokens: int  # predicted tokens (windows x S)
+    nll: float  # mean cross entropy, nats / token
+    accuracy: float  # fraction of targets equal to the argmax prediction
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+def lm_stats(
+    cfg: ModelConfig,
+    params: dict,
+    tokens,
+    *,
+    seq_len: int = EVAL_SEQ_LEN,
+    max_tokens: int | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
+    progress: bool = False,
+) -> LMStats:
+    """Cross entropy and top-1 accuracy of a model on fixed windows.
+
+    Args:
+      cfg: model config.
+      params: params pytree.
+      tokens: windows [N, S+1] int, or a stream [N] cut by `data.eval_windows(stream, seq_len,
+        max_tokens)` (None: the whole stream).
+      seq_len: window length when `tokens` is a stream.
+      max_tokens: token budget when `tokens` is a stream.
+      batch_size: windows per jitted forward.
+      progress: show a tqdm bar.
+
+    Returns:
+      The LMStats (`.perplexity = exp(nll)`).
+    """
+    windows = _as_windows(cfg, tokens, seq_len, max_tokens)
+    ce_sum, correct = 0.0, 0
+    for real, batch in _batches(windows, batch_size, "eval", progress):
+        ce, ok, _ = _window_stats(params, jnp.asarray(batch), cfg)
+        ce_sum += float(np.sum(np.asarray(ce, np.float64)[:real]))
+        correct += int(np.sum(np.asarray(ok)[:real]))
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    return LMStats(num_tokens=n, nll=ce_sum / n, accuracy=correct / n)
+
+
+def perplexity(cfg: ModelConfig, params: dict, tokens, **kwargs) -> float:
+    """exp(mean next-token cross entropy) on windows [N, S+1] or a stream; see `lm_stats`."""
+    return lm_stats(cfg, params, tokens, **kwargs).perplexity
+
+
+def top1_accuracy(cfg: ModelConfig, params: dict, tokens, **kwargs) -> float:
+    """Fraction of next tokens equal to the model's argmax; arguments as `lm_stats`."""
+    return lm_stats(cfg, params, tokens, **kwargs).accuracy
+
+
+@dataclasses.dataclass(frozen=True)
+class PairStats:
+    """How closely model b (a draft) follows model a (the target) on the same windows."""
+
+    num_tokens: int
+    agreement: float  # fraction of positions where the two argmaxes agree (greedy agreement)
+    kl: float  # mean KL(a || b) of the next-token distributions, nats / token
+
+
+def pair_stats(
+    target: tuple[ModelConfig, dict],
+    draft: tuple[ModelConfig, dict],
+    tokens,
+    *,
+    seq_len: int = EVAL_SEQ_LEN,
+    max_tokens: int | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
+    progress: bool = False,
+) -> PairStats:
+    """Greedy agreement and KL(target || draft) on fixed windows.
+
+    Args:
+      target: (config, params) of the reference model.
+      draft: (config, params) of the compared model; same vocabulary.
+      tokens, seq_len, max_tokens, batch_size, progress: as in `lm_stats`.
+
+    Returns:
+      The PairStats.
+    """
+    (cfg_a, params_a), (cfg_b, params_b) = target, draft
+    if cfg_a.vocab_size != cfg_b.vocab_size:
+        raise ValueError(f"vocab sizes differ: target {cfg_a.vocab_size}, draft {cfg_b.vocab_size}")
+    windows = _as_windows(cfg_a, tokens, seq_len, max_tokens)
+    _as_windows(cfg_b, windows, seq_len, None)  # the draft's limits too
+    agree, kl_sum = 0, 0.0
+    for real, batch in _batches(windows, batch_size, "agreement", progress):
+        ag, kl = _pair_stats(params_a, params_b, jnp.asarray(batch), cfg_a, cfg_b)
+        agree += int(np.sum(np.asarray(ag)[:real]))
+        kl_sum += float(np.sum(np.asarray(kl, np.float64)[:real]))
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    return PairStats(num_tokens=n, agreement=agree / n, kl=kl_sum / n)
+
+
+def greedy_agreement(
+    target: tuple[ModelConfig, dict], draft: tuple[ModelConfig, dict], tokens, **kwargs
+) -> float:
+    """Fraction of positions where target and draft argmaxes agree; see `pair_stats`."""
+    return pair_stats(target, draft, tokens, **kwargs).agreement
+
+
+# ---------------------------------------------------------------------------------------------
+# Unigram baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def unigram_log_probs(train_tokens, vocab_size: int) -> np.ndarray:
+    """Add-one smoothed unigram log-probabilities: log((count_v + 1) / (N + V)).
+
+    Args:
+      train_tokens: int token ids of any shape (e.g. the train stream).
+      vocab_size: V.
+
+    Returns:
+      [V] float64.
+    """
+    ids = np.asarray(train_tokens).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"train_tokens must be integer ids, got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"train_tokens hold ids outside [0, {vocab_size})")
+    counts = np.bincount(ids, minlength=vocab_size).astype(np.float64)  # [V]
+    return np.log(counts + 1.0) - np.log(ids.size + vocab_size)
+
+
+def unigram_stats(train_tokens, windows, vocab_size: int) -> LMStats:
+    """The unigram baseline on the same predicted tokens as `lm_stats(windows)`.
+
+    Args:
+      train_tokens: ids the unigram frequencies are counted on (the train split).
+      windows: [N, S+1] evaluation windows; the targets `windows[:, 1:]` are scored.
+      vocab_size: V.
+
+    Returns:
+      LMStats: nll = -mean log p(target); accuracy = fraction of targets equal to the most
+      frequent train token.
+    """
+    log_p = unigram_log_probs(train_tokens, vocab_size)  # [V]
+    targets = np.asarray(windows)[:, 1:].reshape(-1)  # [N * S]
+    if targets.size == 0:
+        raise ValueError("windows hold no targets; expected shape [N, S+1] with S >= 1")
+    nll = float(-np.mean(log_p[targets]))
+    accuracy = float(np.mean(targets == int(np.argmax(log_p))))
+    return LMStats(num_tokens=int(targets.size), nll=nll, accuracy=accuracy)
