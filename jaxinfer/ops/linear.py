@@ -38,9 +38,10 @@ def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
 
 # ------------------------------------------------------------------- quantized weights (XLA path)
 # Dequantize-and-dot. Int4: the same arithmetic as `quant.formats.dequantize` followed by the
-# dense path, so `linear(x, w) == linear(x, dequantize(w))` exactly. Int8: the per-column scale is
-# applied after the reduction (equal up to float rounding). The Pallas kernels
-# (pallas_kernels/int4_matmul.py, int8_matmul.py) compute the same products and plug in here.
+# dense path, so `linear(x, w) == linear(x, dequantize(w))` (bit-exact without act-order perm).
+# Int8: the per-column scale is applied after the reduction (equal up to float rounding). The
+# Pallas kernels (pallas_kernels/int4_matmul.py, int8_matmul.py) compute the same products and
+# plug in here.
 
 
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:

@@ -1,0 +1,87 @@
+r"""Memory table: weight bytes, KV bytes per token and sequences that fit, from shapes only.
+
+    python experiments/memory_report.py --workdir=/tmp/jaxinfer_runs/memory
+    python experiments/memory_report.py --models=llama3-8b --weight_formats=bf16,w4g128 \
+        --kv_formats=bf16,fp8 --seq_len=8192 --gpu_gib=141 --workdir=/tmp/jaxinfer_runs/memory
+
+Nothing is allocated: shapes come from `jax.eval_shape` (see `jaxinfer/memory.py`). Writes
+`<workdir>/config.json` (the flags) and `<workdir>/results.json` (one row per model x weight
+format x KV format), and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+try:
+    import jaxinfer  # noqa: F401
+except ImportError:  # run from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxinfer import memory
+from jaxinfer.config import preset
+
+_MODELS = flags.DEFINE_list(
+    "models", ["llama2-7b", "llama3-8b", "mistral-7b", "qwen2.5-7b"], "Config presets."
+)
+_WEIGHTS = flags.DEFINE_list(
+    "weight_formats", ["bf16", "w8", "w4g128", "w3g128"], "Weight formats (see memory.py)."
+)
+_KV = flags.DEFINE_list("kv_formats", ["bf16", "int8", "fp8"], "KV-cache formats.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence (prompt + output).")
+_GPU_GIB = flags.DEFINE_float("gpu_gib", 80.0, "GPU memory in GiB (H100 80 GB: 80; H200: 141).")
+_RESERVE_GIB = flags.DEFINE_float("reserve_gib", 2.0, "Workspace kept out of the KV budget.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "KV block size (sequences hold whole blocks).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
+flags.mark_flag_as_required("workdir")
+
+
+def main(argv):
+    del argv
+    workdir = Path(_WORKDIR.value)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "models": _MODELS.value,
+        "weight_formats": _WEIGHTS.value,
+        "kv_formats": _KV.value,
+        "seq_len": _SEQ_LEN.value,
+        "gpu_gib": _GPU_GIB.value,
+        "reserve_gib": _RESERVE_GIB.value,
+        "block_size": _BLOCK_SIZE.value,
+    }
+    (workdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    rows = []
+    header = (
+        f"{'model':<12} {'weights':<8} {'kv':<5} {'params':>7} {'GB':>7} {'GiB':>7} "
+        f"{'KV B/tok':>9} {'seqs':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in _MODELS.value:
+        cfg = preset(name)
+        for wf in _WEIGHTS.value:
+            for kv in _KV.value:
+                r = memory.memory_report(
+                    cfg, wf, kv, seq_len=_SEQ_LEN.value, gpu_gib=_GPU_GIB.value,
+                    reserve_gib=_RESERVE_GIB.value, block_size=_BLOCK_SIZE.value, model=name,
+                )  # fmt: skip
+                rows.append(r.to_dict())
+                print(
+                    f"{name:<12} {wf:<8} {kv:<5} {r.num_params / 1e9:>6.2f}B "
+                    f"{r.weight_gb:>7.2f} {r.weight_gib:>7.2f} {r.kv_bytes_per_token:>9,} "
+                    f"{r.max_sequences:>6}"
+                )
+    print(
+        f"\nseqs: sequences of {_SEQ_LEN.value} tokens whose KV fits in {_GPU_GIB.value} GiB "
+        f"beside the weights and a {_RESERVE_GIB.value} GiB reserve. GB = 1e9 B, GiB = 2^30 B."
+    )
+    (workdir / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,276 @@
+"""Quantized weight formats: `Int4Weight` (W4A16, also 2/3-bit) and `Int8Weight` (W8A16, W8A8).
+
+A quantized weight replaces a dense `[in, out]` leaf of the params pytree; `ops.linear`
+dispatches on its type, so the model never branches on quantization. Both are registered pytree
+dataclasses: arrays are data fields (they may carry a leading layer axis L, which `lax.scan`
+slices away), sizes and flags are static fields, and the static `shape` is always the per-layer
+`(in, out)`.
+
+Int4Weight semantics (the reference every kernel is tested against, see
+`pallas_kernels/int4_matmul.py`):
+
+  packed [in/8, out] uint32   row 8r + j of q is nibble j of word r: (packed[r] >> 4j) & 0xF
+  scales [in/G, out]          in the activation dtype
+  zeros  [in/G, out] int32    integer zero points in 0 .. 2**bits - 1 (unpacked, one per group)
+  perm   [in] int32 | None    act order: stored row k holds input feature perm[k]
+  w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]   computed in float32
+  y = x[..., perm] @ w        (y = x @ w when perm is None)
+
+2- and 3-bit codes are stored in the same 4-bit containers (codes < 2**bits), so the kernel
+consumes one layout. Per-channel quantization is `group_size == in`.
+
+Int8Weight: `q [in, out]` int8, `scales [out]` float32, w = q * scales (symmetric, per output
+channel). With `act_quant` (W8A8, SmoothQuant) activations are quantized per token at run time
+and the product accumulates in int32; otherwise (W8A16) activations stay float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+INT4_BITS = (2, 3, 4)  # codes stored in 4-bit containers
+_NIBBLE_SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """A grouped 2/3/4-bit weight in 4-bit containers (see the module docstring)."""
+
+    packed: jax.Array  # [(L,) in/8, out] uint32, 8 input rows per word, low nibble first
+    scales: jax.Array  # [(L,) in/G, out] activation dtype
+    zeros: jax.Array  # [(L,) in/G, out] int32 zero points in 0 .. 2**bits - 1
+    perm: jax.Array | None  # [(L,) in] int32 act-order row permutation, or None
+    group_size: int = dataclasses.field(metadata=dict(static=True))  # G; G == in: per channel
+    bits: int = dataclasses.field(metadata=dict(static=True))  # 2, 3 or 4
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # per-layer (in, out)
+
+    def __post_init__(self):
+        # Only static fields are checked: pytree unflattening may pass placeholders as arrays.
+        check_int4_static(self.shape, self.group_size, self.bits)
+
+    @property
+    def act_dtype(self):
+        """The activation dtype the weight dequantizes to (the scales' dtype)."""
+        return self.scales.dtype
+
+    @property
+    def num_groups(self) -> int:
+        return self.shape[0] // self.group_size
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """A symmetric per-output-channel int8 weight: w = q * scales."""
+
+    q: jax.Array  # [(L,) in, out] int8
+    scales: jax.Array  # [(L,) out] float32
+    act_quant: bool = dataclasses.field(metadata=dict(static=True))  # True: W8A8, else W8A16
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # per-layer (in, out)
+
+    def __post_init__(self):
+        if len(self.shape) != 2:
+            raise ValueError(f"Int8Weight shape={self.shape!r}; expected (in, out)")
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+
+QUANTIZED_TYPES = (Int4Weight, Int8Weight)
+
+
+def is_quantized(x) -> bool:
+    """True for a quantized weight pytree (use as `is_leaf` when mapping over params)."""
+    return isinstance(x, QUANTIZED_TYPES)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def check_int4_static(shape: tuple[int, int], group_size: int, bits: int) -> None:
+    """Raises ValueError unless (shape, group_size, bits) describe a valid Int4Weight.
+
+    Args:
+      shape: the per-layer `(in, out)`.
+      group_size: G; must divide `in` and be a multiple of 8 (a packed word never straddles
+        two groups, which the kernel relies on).
+      bits: 2, 3 or 4.
+    """
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"Int4Weight shape={shape!r}; expected a positive (in, out)")
+    if bits not in INT4_BITS:
+        raise ValueError(
+            f"bits={bits!r} is not supported for Int4Weight; expected one of {INT4_BITS}"
+        )
+    d_in = shape[0]
+    if d_in % 8:
+        raise ValueError(f"input dimension {d_in} must be a multiple of 8 to pack int4 rows")
+    if not isinstance(group_size, int) or group_size < 8 or group_size % 8 or d_in % group_size:
+        raise ValueError(
+            f"group_size={group_size!r} must be a multiple of 8 that divides the input "
+            f"dimension {d_in} (use group_size={d_in} for per-channel)"
+        )
+
+
+def resolve_group_size(group_size: int | None, d_in: int) -> int:
+    """None or -1 means per channel (G = in); anything else is returned unchanged."""
+    return d_in if group_size in (None, -1) else group_size
+
+
+# --------------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------------
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Packs 4-bit codes along the input axis.
+
+    Args:
+      q: `[..., in, out]` integers in 0..15 (higher bits are not masked: keep codes in range).
+
+    Returns:
+      `[..., in/8, out]` uint32; row 8r + j of q is bits 4j..4j+3 of word r.
+    """
+    *lead, d_in, d_out = q.shape
+    if d_in % 8:
+        raise ValueError(f"pack_int4: input dimension {d_in} must be a multiple of 8")
+    q = q.astype(jnp.uint32).reshape(*lead, d_in // 8, 8, d_out)  # [..., in/8, 8, out]
+    shifts = jnp.asarray(_NIBBLE_SHIFTS, jnp.uint32)[:, None]  # [8, 1]
+    # The nibbles do not overlap, so a sum is a bitwise or.
+    return jnp.sum(q << shifts, axis=-2, dtype=jnp.uint32)  # [..., in/8, out]
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_int4`: `[..., in/8, out]` uint32 -> `[..., in, out]` int32 in 0..15."""
+    *lead, rows, d_out = packed.shape
+    shifts = jnp.asarray(_NIBBLE_SHIFTS, jnp.uint32)[:, None]  # [8, 1]
+    q = (packed.astype(jnp.uint32)[..., None, :] >> shifts) & 0xF  # [..., in/8, 8, out]
+    return q.reshape(*lead, rows * 8, d_out).astype(jnp.int32)
+
+
+def make_int4(
+    q: jax.Array,
+    scales: jax.Array,
+    zeros: jax.Array,
+    *,
+    bits: int,
+    group_size: int,
+    perm: jax.Array | None = None,
+) -> Int4Weight:
+    """Builds an `Int4Weight` from unpacked codes, validating shapes.
+
+    Args:
+      q: `[..., in, out]` integer codes in 0 .. 2**bits - 1, rows in stored order.
+      scales: `[..., in/G, out]` in the activation dtype.
+      zeros: `[..., in/G, out]` integer zero points.
+      bits: 2, 3 or 4.
+      group_size: G.
+      perm: optional `[..., in]` act-order permutation (stored row k is input feature perm[k]).
+
+    Returns:
+      The packed weight.
+    """
+    shape = tuple(q.shape[-2:])
+    check_int4_static(shape, group_size, bits)
+    want = (*q.shape[:-2], shape[0] // group_size, shape[1])
+    for name, arr in (("scales", scales), ("zeros", zeros)):
+        if tuple(arr.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {want}")
+    if perm is not None and tuple(perm.shape) != (*q.shape[:-2], shape[0]):
+        raise ValueError(
+            f"perm has shape {tuple(perm.shape)}; expected {(*q.shape[:-2], shape[0])}"
+        )
+    return Int4Weight(
+        packed=pack_int4(q),
+        scales=scales,
+        zeros=zeros.astype(jnp.int32),
+        perm=None if perm is None else perm.astype(jnp.int32),
+        group_size=group_size,
+        bits=bits,
+        shape=shape,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantization (the reference semantics)
+# --------------------------------------------------------------------------------------------
+
+
+def dequantize_rows(w: Int4Weight, dtype=None) -> jax.Array:
+    """The Int4Weight in stored row order: `[..., in, out]`, computed in float32.
+
+    Args:
+      w: the weight.
+      dtype: output dtype; defaults to the activation dtype (`w.scales.dtype`).
+
+    Returns:
+      `(q - z) * s` with rows in stored (possibly act-order permuted) order.
+    """
+    d_in, d_out = w.shape
+    lead = w.packed.shape[:-2]
+    ngroups = d_in // w.group_size
+    q = unpack_int4(w.packed).reshape(*lead, ngroups, w.group_size, d_out)  # [.., g, G, out]
+    z = w.zeros[..., :, None, :]  # [..., g, 1, out]
+    s = w.scales.astype(jnp.float32)[..., :, None, :]  # [..., g, 1, out]
+    deq = (q - z).astype(jnp.float32) * s  # [..., g, G, out]
+    return deq.reshape(*lead, d_in, d_out).astype(dtype or w.scales.dtype)
+
+
+def inverse_perm(perm: jax.Array) -> jax.Array:
+    """`inv` with `inv[perm[k]] = k` (along the last axis)."""
+    return jnp.argsort(perm, axis=-1).astype(jnp.int32)
+
+
+def dequantize(w, dtype=None) -> jax.Array:
+    """A quantized weight as a dense `[..., in, out]` array in the original input order.
+
+    `x @ dequantize(w)` equals `linear(x, w)` for the weight-only formats: act-order rows are
+    moved back (`w_orig[perm[k]] = w_stored[k]`).
+
+    Args:
+      w: an `Int4Weight` or `Int8Weight` (or a dense array, returned cast).
+      dtype: output dtype; defaults to the activation dtype (Int4Weight: `scales.dtype`,
+        Int8Weight: float32).
+
+    Returns:
+      The dense weight, computed in float32 and cast to `dtype`.
+    """
+    if isinstance(w, Int4Weight):
+        rows = dequantize_rows(w, jnp.float32)
+        if w.perm is not None:
+            rows = jnp.take_along_axis(rows, inverse_perm(w.perm)[..., :, None], axis=-2)
+        return rows.astype(dtype or w.scales.dtype)
+    if isinstance(w, Int8Weight):
+        deq = w.q.astype(jnp.float32) * w.scales.astype(jnp.float32)[..., None, :]
+        return deq.astype(dtype or jnp.float32)
+    return jnp.asarray(w) if dtype is None else jnp.asarray(w).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation quantization (W8A8)
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric dynamic int8 quantization of each token (row) of `x`.
+
+    Args:
+      x: `[..., in]` float activations.
+
+    Returns:
+      (`[..., in]` int8 codes, `[...]` float32 scales) with x ≈ codes * scale[..., None].
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)  # [...]
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero row keeps scale 1
+    q = jnp.clip(jnp.round(x32 / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale

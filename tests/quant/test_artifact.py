@@ -1,0 +1,113 @@
+"""Quantized artifacts: save -> load -> identical outputs; clear errors on version or shape."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.model import forward_dense, init_params
+from jaxinfer.quant import artifact
+from jaxinfer.quant.calibrate import QuantConfig
+from jaxinfer.quant.formats import Int4Weight, Int8Weight, make_int4
+from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
+
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+    intermediate_size=32, dtype="bfloat16", rope_scaling=RopeScaling("linear", 2.0),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    """A mix of every leaf kind: grouped int4, act-order int4 with perm, int8, dense bf16."""
+    params = init_params(CFG, jax.random.key(0), std=0.1)
+    layers = dict(params["layers"])
+    for name in ("wq", "wk", "w_gate", "w_up"):
+        layers[name] = rtn_quantize(layers[name], bits=4, group_size=16)
+    layers["wv"] = rtn_quantize(layers["wv"], bits=3, group_size=None, sym=True)
+    layers["w_down"] = quantize_int8(layers["w_down"], act_quant=True)
+    rng = np.random.default_rng(0)
+    layers["wo"] = make_int4(  # an act-order weight: rows stored permuted, with perm
+        jnp.asarray(rng.integers(0, 16, size=(2, 32, 32))),
+        jnp.asarray(rng.uniform(0.01, 0.1, size=(2, 2, 32)), jnp.bfloat16),
+        jnp.asarray(rng.integers(0, 16, size=(2, 2, 32))),
+        bits=4,
+        group_size=16,
+        perm=jnp.asarray(np.stack([rng.permutation(32) for _ in range(2)])),
+    )
+    assert layers["wo"].perm is not None
+    qparams = dict(params, layers=layers)
+    qcfg = QuantConfig("gptq", bits=4, group_size=16, act_order=True, static_groups=False)
+    return qparams, qcfg
+
+
+def test_save_load_identical_outputs(tmp_path, quantized):
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    cfg, loaded, qcfg2 = artifact.load(path)
+    assert cfg == CFG and qcfg2 == qcfg
+    assert jax.tree.structure(loaded) == jax.tree.structure(qparams)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (
+        isinstance(loaded["layers"]["w_down"], Int8Weight) and loaded["layers"]["w_down"].act_quant
+    )
+    assert isinstance(loaded["layers"]["wv"], Int4Weight) and loaded["layers"]["wv"].bits == 3
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(2, 8)), jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(forward_dense(loaded, cfg, tokens)),
+        np.asarray(forward_dense(qparams, CFG, tokens)),
+    )
+
+
+def test_existing_directory_needs_overwrite(tmp_path, quantized):
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    with pytest.raises(Exception, match="exists"):
+        artifact.save(path, CFG, qparams, qcfg)
+    artifact.save(path, CFG, qparams, qcfg, overwrite=True)
+    assert artifact.load(path)[0] == CFG
+
+
+def _edit_meta(path, edit):
+    meta_file = os.path.join(path, "meta", "metadata")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+
+
+def test_version_mismatch_is_a_clear_error(tmp_path, quantized):
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    _edit_meta(path, lambda m: m.update(format_version=artifact.FORMAT_VERSION + 1))
+    with pytest.raises(ValueError, match="format version 2; this jaxinfer reads version 1"):
+        artifact.load(path)
+
+
+def test_shape_mismatch_is_a_clear_error(tmp_path, quantized):
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    _edit_meta(path, lambda m: m["model_config"].update(intermediate_size=48))
+    with pytest.raises(ValueError, match="shape mismatch at layers/w_(gate|up|down)"):
+        artifact.load(path)
+    # save checks too: params that do not fit the config are refused before writing
+    with pytest.raises(ValueError, match="shape mismatch at embed"):
+        artifact.save(os.path.join(tmp_path, "bad"), CFG.replace(vocab_size=65), qparams, qcfg)
+
+
+def test_missing_artifact(tmp_path):
+    with pytest.raises(ValueError, match="no quantized artifact"):
+        artifact.load(os.path.join(tmp_path, "nothing"))
