@@ -16,12 +16,17 @@ from jaxinfer.ops.attention import dense_causal_attention, paged_attention
 from jaxinfer.ops.linear import linear
 
 
-def project_qkv(h: jax.Array, lp: dict, cfg: ModelConfig, positions: jax.Array):
+def project_qkv(
+    h: jax.Array, lp: dict, cfg: ModelConfig, positions: jax.Array, backend: str = "auto"
+):
     """`h [..., T, E]`, `positions [..., T]` -> q `[..., T, H, D]`, k, v `[..., T, K, D]`, roped."""
     lead = h.shape[:-1]
-    q = linear(h, lp["wq"], lp.get("bq")).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["wk"], lp.get("bk")).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["wv"], lp.get("bv")).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(h, lp["wq"], lp.get("bq"), backend=backend)
+    k = linear(h, lp["wk"], lp.get("bk"), backend=backend)
+    v = linear(h, lp["wv"], lp.get("bv"), backend=backend)
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
@@ -35,7 +40,7 @@ def paged_attention_block(
     backend: str,
 ) -> tuple[jax.Array, PagedKVCache]:
     """One layer's attention over the ragged batch: `h [T, E]` -> (`[T, E]`, cache)."""
-    q, k, v = project_qkv(h, lp, cfg, batch.positions)  # [T, H, D], [T, K, D], [T, K, D]
+    q, k, v = project_qkv(h, lp, cfg, batch.positions, backend)  # [T,H,D], [T,K,D], [T,K,D]
     cache = write_kv(cache, layer, k, v, batch.slot_mapping)
     k_scale = None if cache.k_scale is None else cache.k_scale[layer]
     v_scale = None if cache.v_scale is None else cache.v_scale[layer]
@@ -52,13 +57,15 @@ def paged_attention_block(
         backend=backend,
     )  # [T, H, D]
     t = h.shape[0]
-    return linear(out.reshape(t, cfg.num_heads * cfg.head_dim), lp["wo"]), cache
+    return linear(out.reshape(t, cfg.num_heads * cfg.head_dim), lp["wo"], backend=backend), cache
 
 
-def dense_attention_block(h: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+def dense_attention_block(
+    h: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto"
+) -> jax.Array:
     """Causal self-attention over whole sequences: `h [B, S, E]` -> `[B, S, E]`."""
     bsz, n, _ = h.shape
     positions = jax.numpy.broadcast_to(jax.numpy.arange(n), (bsz, n))
-    q, k, v = project_qkv(h, lp, cfg, positions)
+    q, k, v = project_qkv(h, lp, cfg, positions, backend)
     out = dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window)  # [B, S, H, D]
-    return linear(out.reshape(bsz, n, cfg.num_heads * cfg.head_dim), lp["wo"])
+    return linear(out.reshape(bsz, n, cfg.num_heads * cfg.head_dim), lp["wo"], backend=backend)

@@ -18,16 +18,18 @@ from jaxinfer.model.params import lm_head
 from jaxinfer.ops.linear import linear
 
 
-def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto") -> jax.Array:
     """Residual MLP sub-block: `x [..., E]` -> `x + mlp(norm(x))`."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
+    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], backend)
 
 
-def logits_from_hidden(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def logits_from_hidden(
+    params: dict, cfg: ModelConfig, x: jax.Array, backend: str = "auto"
+) -> jax.Array:
     """Final norm and LM head: `[..., E]` -> float32 logits `[..., V]`."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return linear(x, lm_head(params)).astype(jnp.float32)
+    return linear(x, lm_head(params), backend=backend).astype(jnp.float32)
 
 
 def forward(
@@ -57,28 +59,33 @@ def forward(
         lp, i = xs
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         attn, cache = paged_attention_block(h, lp, cfg, batch, cache, i, backend)
-        x = mlp_block(x + attn, lp, cfg)
+        x = mlp_block(x + attn, lp, cfg, backend)
         return (x, cache), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
-    return logits_from_hidden(params, cfg, x[batch.logits_indices]), cache
+    return logits_from_hidden(params, cfg, x[batch.logits_indices], backend), cache
 
 
-def decoder_layer_dense(x: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+def decoder_layer_dense(
+    x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto"
+) -> jax.Array:
     """One full decoder layer over whole sequences: `x [B, S, E]` -> `[B, S, E]`."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    x = x + dense_attention_block(h, lp, cfg)
-    return mlp_block(x, lp, cfg)
+    x = x + dense_attention_block(h, lp, cfg, backend)
+    return mlp_block(x, lp, cfg, backend)
 
 
-def forward_dense(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+def forward_dense(
+    params: dict, cfg: ModelConfig, tokens: jax.Array, *, backend: str = "auto"
+) -> jax.Array:
     """Scores whole sequences without a cache (training, scoring, calibration).
 
     Args:
       params: the params pytree.
       cfg: the model config (static).
       tokens: `[B, S]` int32, every sequence starting at position 0.
+      backend: kernel backend for quantized linears, see `jaxinfer.ops.BACKENDS`.
 
     Returns:
       logits `[B, S, V]` float32.
@@ -86,7 +93,7 @@ def forward_dense(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Arra
     x = params["embed"][tokens]  # [B, S, E]
 
     def layer(x, lp):
-        return decoder_layer_dense(x, lp, cfg), None
+        return decoder_layer_dense(x, lp, cfg, backend), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
-    return logits_from_hidden(params, cfg, x)
+    return logits_from_hidden(params, cfg, x, backend)

@@ -56,6 +56,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def swiglu(x: jax.Array, w_gate, w_up, w_down, backend: str = "auto") -> jax.Array:
     """The Llama MLP: down(silu(gate(x)) * up(x)); `[..., E] -> [..., E]`."""
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    gate = linear(x, w_gate, backend=backend)
+    up = linear(x, w_up, backend=backend)
+    return linear(jax.nn.silu(gate) * up, w_down, backend=backend)
