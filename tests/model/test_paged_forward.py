@@ -93,3 +93,25 @@ def test_build_metadata_layout():
 def test_build_metadata_rejects_short_block_table():
     with pytest.raises(ValueError, match="block table"):
         build_metadata([SeqChunk([1, 2, 3], 7, [1])], 8)
+
+
+@pytest.mark.parametrize("kv_format, tol", [("int8", 0.05), ("fp8", 0.3)])
+def test_quantized_kv_cache_close_to_float(kv_format, tol):
+    """int8 / fp8 KV with per-(token, head) scales: stored quantized, logits near the float ones."""
+    cfg = ji.preset("tiny-llama")
+    params = random_params(cfg, seed=1)
+    toks = np.random.RandomState(0).randint(0, cfg.vocab_size, 40).tolist()
+    meta, _ = build_metadata([SeqChunk(toks, 0, [1, 2, 3], "all")], 16)
+    meta = jax.tree.map(jnp.asarray, meta)
+    ref, _ = ji.forward(params, cfg, meta, ji.init_cache(cfg, 4, 16), backend="reference")
+    cache = ji.init_cache(cfg, 4, 16, kv_format=kv_format)
+    got, cache = ji.forward(params, cfg, meta, cache, backend="reference")
+    assert cache.k.dtype == (jnp.int8 if kv_format == "int8" else jnp.float8_e4m3fn)
+    assert cache.k_scale is not None and cache.k_scale.shape == cache.k.shape[:-1]
+    err = float(jnp.max(jnp.abs(got[:40] - ref[:40])))
+    assert 0 < err < tol  # quantization changes the logits, but only a little
+    # The stored values dequantize to the float keys within the format's resolution.
+    k_float = ji.forward(params, cfg, meta, ji.init_cache(cfg, 4, 16), backend="reference")[1].k
+    deq = cache.k.astype(jnp.float32) * cache.k_scale[..., None]
+    rel = float(jnp.max(jnp.abs(deq[:, 1:4] - k_float[:, 1:4])) / jnp.max(jnp.abs(k_float)))
+    assert rel < (0.01 if kv_format == "int8" else 0.07)
