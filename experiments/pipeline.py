@@ -36,12 +36,14 @@ _EVAL_TOKENS = flags.DEFINE_integer(
 )
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Tokens per sample completion.")
 
+# No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
+# prompt cut after "\n" would end on a token boundary the model never saw in training.
 PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    "    def __repr__(self):\n        return ",
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "    for i in range(len(items)):",
+    "    def __repr__(self):\n        return",
 ]
 
 
