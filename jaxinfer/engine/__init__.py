@@ -1,5 +1,12 @@
 """Serving engine: host-side requests, scheduler and metrics; the device step is engine.py."""
 
+from jaxinfer.engine.engine import (
+    STEP_TRACE_COUNTS,
+    Engine,
+    EngineConfig,
+    RequestOutput,
+    StreamOutput,
+)
 from jaxinfer.engine.metrics import (
     SLO,
     MetricsCollector,
@@ -18,6 +25,12 @@ from jaxinfer.engine.scheduler import (
 )
 
 __all__ = [
+    # -------------------------------------------------------------------------- engine
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "STEP_TRACE_COUNTS",
+    "StreamOutput",
     # ------------------------------------------------------------------------ requests
     "FinishReason",
     "Request",

@@ -1,0 +1,487 @@
+r"""Serving benchmark: continuous batching against static batching, in the same KV memory.
+
+    python experiments/serve_bench.py --workdir=runs/serve_bench            # ~5-10 min on 2 CPUs
+    python experiments/serve_bench.py --workdir=runs/serve_bench_quick --quick   # ~1 min
+
+Three synthetic workloads from a seeded generator (token ids are random; only lengths matter):
+  sharegpt       ShareGPT-like lognormal prompt and output lengths, scaled to --max_len;
+  shared_prefix  every prompt starts with one system prompt of max_len/4 tokens;
+  long_prompt    mostly short chats, one request in five a prompt of ~0.7 max_len.
+Arrivals are Poisson at each rate of the sweep. Each rate is served by four systems holding the
+same number of KV token slots (--kv_slots):
+  static         batches of up to B = kv_slots // max_len requests (each reserves max_len slots),
+                 formed first come first served when the server is idle and run to completion
+                 with `ji.generate`;
+  no_chunking    ji.Engine without chunked prefill (its token budget must hold max_len);
+  no_prefix      ji.Engine with chunked prefill, without prefix caching;
+  engine         ji.Engine with both.
+The engines run in real time: the engine steps as fast as it can and a request is added once its
+arrival time has passed; the metrics clock is time.perf_counter. Static batching is simulated on a
+virtual clock whose batch durations are measured `ji.generate` calls (compiled; a call that
+compiled is timed again), and it is credited with streaming: token k of a batch whose longest
+output is L arrives at start + k/L of the batch's duration (ji.generate itself returns all tokens
+at the end, so this favours the baseline). Rates default to fractions of the full engine's
+capacity, measured on a burst of the same requests. The SLO defaults to multiples of the full
+engine's latencies for one request alone.
+
+Writes into --workdir: config.json (the resolved flags), results.json, serve_bench.md (the
+table), goodput_vs_rate.png and latency_cdf.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import zlib
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+import jaxinfer as ji
+from jaxinfer.cache.metadata import bucket
+from jaxinfer.engine import SLO, STEP_TRACE_COUNTS, MetricsCollector
+from jaxinfer.generate import TRACE_COUNTS
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/serve_bench", "Output directory.")
+_MODEL = flags.DEFINE_string("model", None, "HF dir; default: the shipped target model.")
+_QUICK = flags.DEFINE_boolean("quick", False, "A ~1 minute run: short requests, few of them.")
+_WORKLOADS = flags.DEFINE_list(
+    "workloads", ["sharegpt", "shared_prefix", "long_prompt"], "Workloads to run."
+)
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", None, "Requests per rate (default 40/12).")
+_RATES = flags.DEFINE_list("rates", [], "Request rates (req/s); empty: --rate_fractions.")
+_RATE_FRACTIONS = flags.DEFINE_list(
+    "rate_fractions", ["0.5", "1.0", "2.0"], "Rates as fractions of the engine's capacity."
+)
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "Longest prompt + output (default 512/128).")
+_KV_SLOTS = flags.DEFINE_integer("kv_slots", None, "KV token slots of every system (8 max_len).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Engine KV block size.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Engine batch rows.")
+_CHUNK_BUDGET = flags.DEFINE_integer(
+    "chunk_budget", None, "Token budget per step with chunked prefill (default max_len/4)."
+)
+_BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend.")
+_SLO_TTFT = flags.DEFINE_float("slo_ttft_s", None, "SLO on TTFT (s); default: 8x unloaded.")
+_SLO_TPOT = flags.DEFINE_float("slo_tpot_s", None, "SLO on TPOT (s); default: 4x unloaded.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+
+SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """The resolved settings of a run (written to config.json)."""
+
+    model: str  # HF dir, or a note that the model is random
+    workloads: tuple[str, ...]
+    num_requests: int  # per rate
+    rates: tuple[float, ...]  # req/s; empty: fractions of the measured capacity
+    rate_fractions: tuple[float, ...]
+    max_len: int  # longest prompt + output; every static request reserves this many slots
+    kv_slots: int  # KV token slots of every system
+    block_size: int
+    max_num_seqs: int
+    chunk_budget: int  # step token budget of the chunked engines
+    backend: str
+    slo_ttft_s: float | None  # None: derived from the unloaded engine
+    slo_tpot_s: float | None
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Req:
+    arrival: float  # seconds after the start of the run
+    prompt: list[int]
+    max_tokens: int
+
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def _lognormal(rng, median, sigma, lo, hi, n):
+    return np.clip(rng.lognormal(math.log(median), sigma, n), lo, hi).astype(int)
+
+
+def make_lengths(name: str, n: int, max_len: int, rng) -> list[tuple[int, int, int]]:
+    """Per request (shared prefix length, prompt length, output length), P + O <= max_len."""
+    if name == "sharegpt":
+        p = _lognormal(rng, max_len / 5, 0.9, 4, 3 * max_len // 4, n)
+        o = _lognormal(rng, max_len / 8, 0.8, 2, max_len // 2, n)
+        return [(0, pi, min(oi, max_len - pi)) for pi, oi in zip(p, o)]
+    if name == "shared_prefix":
+        sys_len = max_len // 4
+        p = sys_len + _lognormal(rng, max_len / 20, 0.7, 2, max_len // 4, n)
+        o = _lognormal(rng, max_len / 10, 0.6, 2, max_len // 3, n)
+        return [(sys_len, pi, min(oi, max_len - pi)) for pi, oi in zip(p, o)]
+    if name == "long_prompt":
+        long = rng.random_sample(n) < 0.2
+        p_short = _lognormal(rng, max_len / 20, 0.6, 2, max_len // 4, n)
+        o_short = _lognormal(rng, max_len / 6, 0.5, 2, max_len // 3, n)
+        p_long = _lognormal(rng, 0.7 * max_len, 0.1, max_len // 2, max_len - 16, n)
+        return [
+            (0, int(pl), 8) if lg else (0, int(ps), int(os_))
+            for lg, ps, os_, pl in zip(long, p_short, o_short, p_long)
+        ]
+    raise ValueError(f"unknown workload {name!r}; expected sharegpt, shared_prefix, long_prompt")
+
+
+def make_requests(name, n, max_len, vocab, rate, seed) -> list[Req]:
+    """Seeded requests with Poisson arrivals at `rate` (inf: all at time 0)."""
+    rng = np.random.RandomState([seed, zlib.crc32(name.encode())])
+    shared = rng.randint(3, vocab, max_len).tolist()  # the system prompt (a prefix of it)
+    lengths = make_lengths(name, n, max_len, rng)
+    arrival_rng = np.random.RandomState([seed, 7, int(rate * 1000) if math.isfinite(rate) else 0])
+    gaps = arrival_rng.exponential(1.0 / rate, n) if math.isfinite(rate) else np.zeros(n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    return [
+        Req(float(t), shared[:s] + rng.randint(3, vocab, p - s).tolist(), int(o))
+        for t, (s, p, o) in zip(arrivals, lengths)
+    ]
+
+
+# ------------------------------------------------------------------------------ systems
+
+
+def engine_config(bc: BenchConfig, system: str) -> ji.EngineConfig:
+    S = bc.block_size
+    chunked = system != "no_chunking"
+    return ji.EngineConfig(
+        block_size=S,
+        num_blocks=bc.kv_slots // S + 1,
+        max_num_seqs=bc.max_num_seqs,
+        max_num_batched_tokens=bc.chunk_budget if chunked else bc.max_len,
+        enable_prefix_caching=system != "no_prefix",
+        enable_chunked_prefill=chunked,
+        backend=bc.backend,
+        min_block_bucket=bucket(-(-bc.max_len // S)),  # M fixed: one compilation per T bucket
+        min_seq_bucket=bc.max_num_seqs,  # B fixed
+    )
+
+
+def _sampling(max_tokens: int) -> ji.SamplingParams:
+    return ji.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def warm_engine(cfg, params, ecfg: ji.EngineConfig, max_len: int) -> None:
+    """Compiles every token bucket T the engine can use, so timed runs compile nothing."""
+    engine = ji.Engine(cfg, params, ecfg)
+    t, token = ecfg.min_token_bucket, 3
+    while t <= bucket(ecfg.max_num_batched_tokens):
+        # A prompt alone in a step is a T = bucket(length) step; prompt + 1 <= budget keeps it
+        # schedulable without chunked prefill, prompt + 2 <= max_len keeps M at its bucket.
+        # Each prompt has its own token, so the prefix cache cannot shorten it.
+        length = min(t, ecfg.max_num_batched_tokens - 1, max_len - 2)
+        engine.generate([[token] * max(1, length)], _sampling(2))
+        t, token = 2 * t, token + 1
+
+
+def run_engine(cfg, params, ecfg, reqs: list[Req], slo: SLO | None) -> dict:
+    """Serves the requests in real time; returns the metrics summary and per-request latencies."""
+    engine = ji.Engine(cfg, params, ecfg)
+    t0 = time.perf_counter()
+    i = 0
+    while i < len(reqs) or engine.has_unfinished():
+        now = time.perf_counter()
+        while i < len(reqs) and t0 + reqs[i].arrival <= now:
+            r = reqs[i]
+            engine.add_request(r.prompt, _sampling(r.max_tokens), i, t0 + r.arrival)
+            i += 1
+        if engine.has_unfinished():
+            engine.step()
+        elif i < len(reqs):
+            time.sleep(max(0.0, t0 + reqs[i].arrival - time.perf_counter()))
+    out = _summarize(engine.metrics_collector, slo)
+    m = out["summary"]
+    out["kv_waste"] = m["kv_waste_mean"]
+    out["peak_concurrent"] = m["peak_running"]
+    out["num_steps"] = engine.num_steps
+    return out
+
+
+def _timed_generate(cfg, params, prompts, sps) -> float:
+    """Seconds of one compiled `ji.generate` call (a call that compiled is run again)."""
+    before = TRACE_COUNTS["generate"]
+    t = time.perf_counter()
+    ji.generate(cfg, params, prompts, sps)
+    dt = time.perf_counter() - t
+    if TRACE_COUNTS["generate"] != before:
+        t = time.perf_counter()
+        ji.generate(cfg, params, prompts, sps)
+        dt = time.perf_counter() - t
+    return dt
+
+
+def run_static(cfg, params, bc: BenchConfig, reqs: list[Req], slo: SLO | None) -> dict:
+    """Static batching on a virtual clock with measured batch durations (module docstring)."""
+    b_max = bc.kv_slots // bc.max_len
+    mc = MetricsCollector(clock=lambda: math.nan)  # every event carries its own time
+    clock, i = 0.0, 0
+    waste_time, busy, peak = 0.0, 0.0, 0
+    while i < len(reqs):
+        start = max(clock, reqs[i].arrival)
+        batch = [r for r in reqs[i : i + b_max] if r.arrival <= start]
+        ids = range(i, i + len(batch))
+        i += len(batch)
+        for j, r in zip(ids, batch):
+            mc.on_arrival(j, len(r.prompt), r.arrival)
+        dt = _timed_generate(
+            cfg, params, [r.prompt for r in batch], [_sampling(r.max_tokens) for r in batch]
+        )
+        longest = max(r.max_tokens for r in batch)
+        for j, r in zip(ids, batch):
+            for k in range(1, r.max_tokens + 1):
+                mc.on_tokens(j, 1, start + dt * k / longest)
+            mc.on_finish(j, start + dt * r.max_tokens / longest)
+        # Each request reserves max_len slots for the whole batch; the filled ones grow by one
+        # token per request per decode iteration, until the request's own last token.
+        reserved = len(batch) * bc.max_len
+        filled = [
+            sum(len(r.prompt) + min(k, r.max_tokens) for r in batch) for k in range(1, longest + 1)
+        ]
+        waste_time += dt * float(np.mean([1 - f / reserved for f in filled]))
+        busy += dt
+        peak = max(peak, len(batch))
+        clock = start + dt
+    out = _summarize(mc, slo)
+    out["kv_waste"] = waste_time / busy
+    out["peak_concurrent"] = peak
+    out["batch_size"] = b_max
+    return out
+
+
+def _summarize(mc: MetricsCollector, slo: SLO | None) -> dict:
+    done = [r for r in mc.requests.values() if r.completed]
+    return {
+        "summary": mc.summary(slo).to_dict(),
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+    }
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def load_model(path: str | None):
+    """(cfg, params, description): --model, else the shipped target, else random bench-5m."""
+    if path is None and "target" in ji.models.names():
+        path = ji.models.path("target")
+    if path is not None:
+        cfg, params = ji.load_checkpoint(path)
+        return cfg, params, path
+    msg = "no shipped target model: benchmarking a RANDOMLY INITIALISED bench-5m preset"
+    logging.warning(msg)
+    print(f"WARNING: {msg}", file=sys.stderr)
+    cfg = ji.preset("bench-5m")
+    return cfg, ji.init_params(cfg, jax.random.key(0)), "random bench-5m (no shipped target)"
+
+
+def resolve_config(description: str) -> BenchConfig:
+    quick = _QUICK.value
+    max_len = _MAX_LEN.value or (128 if quick else 512)
+    return BenchConfig(
+        model=description,
+        workloads=tuple(_WORKLOADS.value),
+        num_requests=_NUM_REQUESTS.value or (12 if quick else 40),
+        rates=tuple(float(r) for r in _RATES.value),
+        rate_fractions=tuple(float(f) for f in _RATE_FRACTIONS.value)
+        if not quick or _RATE_FRACTIONS.present
+        else (0.5, 2.0),
+        max_len=max_len,
+        kv_slots=_KV_SLOTS.value or 8 * max_len,
+        block_size=_BLOCK_SIZE.value,
+        max_num_seqs=_MAX_NUM_SEQS.value,
+        chunk_budget=_CHUNK_BUDGET.value or max(16, max_len // 4),
+        backend=_BACKEND.value,
+        slo_ttft_s=_SLO_TTFT.value,
+        slo_tpot_s=_SLO_TPOT.value,
+        seed=_SEED.value,
+    )
+
+
+def derive_slo(cfg, params, bc: BenchConfig) -> SLO:
+    """The SLO flags, or 8x the TTFT and 4x the TPOT of one median-sized request served alone."""
+    if bc.slo_ttft_s and bc.slo_tpot_s:
+        return SLO(bc.slo_ttft_s, bc.slo_tpot_s)
+    req = Req(0.0, [5] * (bc.max_len // 5), bc.max_len // 8)
+    out = run_engine(cfg, params, engine_config(bc, "engine"), [req], None)
+    s = out["summary"]
+    return SLO(bc.slo_ttft_s or 8 * s["ttft"]["p50"], bc.slo_tpot_s or 4 * s["tpot"]["p50"])
+
+
+def bench_workload(cfg, params, bc: BenchConfig, name: str, slo: SLO) -> dict:
+    n, vocab = bc.num_requests, cfg.vocab_size
+    burst = run_engine(
+        cfg, params, engine_config(bc, "engine"),
+        make_requests(name, n, bc.max_len, vocab, math.inf, bc.seed), None,
+    )  # fmt: skip
+    capacity = burst["summary"]["request_throughput"]
+    rates = bc.rates or tuple(round(f * capacity, 3) for f in bc.rate_fractions)
+    logging.info("%s: engine capacity %.2f req/s; rates %s", name, capacity, rates)
+    runs = {s: [] for s in SYSTEMS}
+    for rate in rates:
+        reqs = make_requests(name, n, bc.max_len, vocab, rate, bc.seed)
+        for system in SYSTEMS:
+            if system == "static":
+                out = run_static(cfg, params, bc, reqs, slo)
+            else:
+                out = run_engine(cfg, params, engine_config(bc, system), reqs, slo)
+            out["rate"] = rate
+            runs[system].append(out)
+            m = out["summary"]
+            logging.info(
+                "%s rate %.2f %-11s: %.1f tok/s, goodput %.2f req/s, TTFT p50 %.3fs, TPOT p50 "
+                "%.4fs", name, rate, system, m["output_throughput"], m["goodput"],
+                m["ttft"]["p50"], m["tpot"]["p50"],
+            )  # fmt: skip
+    return {"capacity_rps": capacity, "rates": list(rates), "runs": runs}
+
+
+# ------------------------------------------------------------------------------ outputs
+
+
+def _fmt(x, digits=3):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(bc: BenchConfig, slo: SLO, results: dict, command: str) -> str:
+    lines = [
+        "# Serving benchmark",
+        "",
+        f"`{command}`",
+        "",
+        f"Model: {bc.model}. KV memory: {bc.kv_slots} token slots for every system (static: "
+        f"batches of {bc.kv_slots // bc.max_len}, each request reserving {bc.max_len}; engines: "
+        f"{bc.kv_slots // bc.block_size} blocks of {bc.block_size}). SLO: TTFT <= "
+        f"{slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s:.4f} s. {bc.num_requests} requests per rate.",
+        "",
+    ]
+    head = (
+        "| rate (req/s) | system | out tok/s | req/s | goodput | TTFT p50 / p90 / p99 (s) | "
+        "TPOT p50 / p90 / p99 (ms) | KV waste | peak seqs | preempt | prefix hits |"
+    )
+    for name, w in results.items():
+        lines += [f"## {name} (engine capacity {w['capacity_rps']:.2f} req/s)", "", head]
+        lines.append("|" + "---|" * 11)
+        for k, rate in enumerate(w["rates"]):
+            for system in SYSTEMS:
+                out = w["runs"][system][k]
+                m = out["summary"]
+                t, p = m["ttft"], m["tpot"]
+                hit = m["prefix_cache_hit_rate"] if system != "static" else None
+                lines.append(
+                    f"| {rate:.2f} | {system} | {_fmt(m['output_throughput'], 1)} | "
+                    f"{_fmt(m['request_throughput'], 2)} | {_fmt(m['goodput'], 2)} | "
+                    f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
+                    f"{_fmt(1e3 * p['p50'], 1)} / {_fmt(1e3 * p['p90'], 1)} / "
+                    f"{_fmt(1e3 * p['p99'], 1)} | {_fmt(out['kv_waste'], 2)} | "
+                    f"{out['peak_concurrent']} | {m['num_preemptions']} | {_fmt(hit, 2)} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, workdir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    names = list(results)
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        w = results[name]
+        for system in SYSTEMS:
+            ax.plot(w["rates"], [o["summary"]["goodput"] for o in w["runs"][system]], "o-",
+                    label=system)  # fmt: skip
+        ax.set(title=name, xlabel="request rate (req/s)", ylabel="goodput (req/s within SLO)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    goodput_png = os.path.join(workdir, "goodput_vs_rate.png")
+    fig.savefig(goodput_png, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(names), 2, figsize=(10, 3.5 * len(names)), squeeze=False)
+    for row, name in zip(axes, names):
+        w = results[name]
+        k = min(range(len(w["rates"])), key=lambda j: abs(w["rates"][j] - w["capacity_rps"]))
+        for ax, key, unit in zip(row, ("ttft", "tpot"), ("s", "s")):
+            for system in SYSTEMS:
+                xs = np.sort(w["runs"][system][k][key])
+                if len(xs):
+                    ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=system)
+            ax.set(
+                title=f"{name}, {w['rates'][k]:.2f} req/s: {key.upper()} CDF",
+                xlabel=f"{key.upper()} ({unit})", ylabel="fraction of requests", xscale="log",
+            )  # fmt: skip
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    cdf_png = os.path.join(workdir, "latency_cdf.png")
+    fig.savefig(cdf_png, dpi=110)
+    plt.close(fig)
+    return [goodput_png, cdf_png]
+
+
+def _json_safe(x):
+    """NaN -> None (strict JSON), tuples -> lists, numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def main(argv):
+    del argv
+    workdir = _WORKDIR.value
+    os.makedirs(workdir, exist_ok=True)
+    cfg, params, description = load_model(_MODEL.value)
+    bc = resolve_config(description)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(bc), f, indent=2)
+    for name in bc.workloads:  # unknown names fail before any compilation
+        make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
+    t0 = time.perf_counter()
+    warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
+    warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
+    engine_compiles = STEP_TRACE_COUNTS["step"]
+    slo = derive_slo(cfg, params, bc)
+    logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
+    results = {name: bench_workload(cfg, params, bc, name, slo) for name in bc.workloads}
+    command = "python experiments/serve_bench.py " + " ".join(sys.argv[1:])
+    pngs = plot(results, workdir)
+    with open(os.path.join(workdir, "serve_bench.md"), "w") as f:
+        f.write(markdown(bc, slo, results, command))
+    out = {
+        "config": dataclasses.asdict(bc),
+        "slo": dataclasses.asdict(slo),
+        "device": str(jax.devices()[0]),
+        "wall_s": time.perf_counter() - t0,
+        # Compilations: the engines' step after warm-up must be 0 (timed runs compile nothing);
+        # static batches that compiled were timed on a second, compiled call.
+        "engine_compiles_warmup": engine_compiles,
+        "engine_compiles_timed": STEP_TRACE_COUNTS["step"] - engine_compiles,
+        "static_compiles": TRACE_COUNTS["generate"],
+        "workloads": results,
+        "plots": [os.path.basename(p) for p in pngs],
+    }
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(_json_safe(out), f, indent=1)
+    print(markdown(bc, slo, results, command))
+    print(f"wrote {workdir}/results.json, serve_bench.md, {', '.join(map(os.path.basename, pngs))}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,531 @@
+"""The serving engine: the host scheduler's `Schedule` applied by one jitted step per iteration.
+
+    engine = ji.Engine(cfg, params, ji.EngineConfig(block_size=16, num_blocks=1024))
+    outs = engine.generate(prompts, ji.SamplingParams(temperature=0, max_tokens=64))
+
+or, streaming, with requests arriving over time:
+
+    engine.add_request(prompt, sampling, request_id="a")
+    while engine.has_unfinished():
+        for out in engine.step():          # StreamOutput(request_id, sample_index, new tokens, ...)
+            ...
+
+Each `step()` asks the `Scheduler` (host only) for a `Schedule`, applies its copy-on-write block
+copies with one jitted call, turns its sequences into a ragged `BatchMetadata` and runs one jitted
+step: the model forward over the paged cache, then sampling on the device. Only the sampled token
+ids (`[B]` int32) come back to the host. The cache is donated to both calls, so it is updated in
+place. T (tokens), B (sequences = logits rows = sample rows) and M (blocks per sequence) are padded
+to powers of two, so a run compiles at most once per distinct (T, B, M); `STEP_TRACE_COUNTS`
+counts compilations for tests.
+
+Sampling noise is the one of `ji.generate`, `fold_in(key(seed), position)`, for sample 0 of a
+request, so an n = 1 request gives exactly `ji.generate`'s output; the forks 1..n-1 of an n > 1
+request use `fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Callable, Hashable
+from collections.abc import Sequence as SequenceABC
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.cache.allocator import BlockAllocator
+from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
+from jaxinfer.cache.paged import KV_FORMATS, PagedKVCache, copy_blocks, init_cache
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import Schedule, Scheduler, SchedulerConfig
+from jaxinfer.generate import GenerationOutput, validate_requests
+from jaxinfer.model.decoder import forward
+from jaxinfer.ops.attention import BACKENDS
+from jaxinfer.sampling import SamplingBatch, SamplingParams, process_logits
+
+STEP_TRACE_COUNTS: collections.Counter = collections.Counter()  # "step" / "copy" -> traces
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """KV pool, scheduling limits and device settings of an `Engine`.
+
+    Attributes:
+      block_size: S, token slots per KV block.
+      num_blocks: KV blocks in the pool, the null block 0 included; the KV memory is
+        `(num_blocks - 1) * block_size` token slots.
+      max_num_seqs: sequences running at once (batch rows of a step).
+      max_num_batched_tokens: tokens computed per step over all sequences.
+      enable_prefix_caching: reuse the K/V of full blocks shared by prompts.
+      enable_chunked_prefill: split prompts across steps and mix them with decodes.
+      long_prefill_threshold: with chunked prefill, at most this many prompt tokens of one
+        sequence per step; None: no cap.
+      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      kv_format: KV-cache storage ("float", "int8", "fp8").
+      kv_dtype: storage dtype of a "float" cache; None: the model's dtype.
+      min_token_bucket: smallest padded T, so the many tiny decode steps share one compilation.
+      min_block_bucket: smallest padded M (blocks per sequence), for the same reason.
+      min_seq_bucket: smallest padded B; `max_num_seqs` fixes B, leaving T and M to vary.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_threshold: int | None = None
+    backend: str = "auto"
+    kv_format: str = "float"
+    kv_dtype: str | None = None
+    min_token_bucket: int = 16
+    min_block_bucket: int = 8
+    min_seq_bucket: int = 1
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+        for name, lo in (
+            ("block_size", 1),
+            ("num_blocks", 2),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("min_token_bucket", 1),
+            ("min_block_bucket", 1),
+            ("min_seq_bucket", 1),
+        ):
+            v = getattr(self, name)
+            if not is_int(v) or v < lo:
+                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an int >= {lo}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend={self.backend!r}: expected one of {BACKENDS}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(
+                f"EngineConfig.kv_format={self.kv_format!r}: expected one of {KV_FORMATS}"
+            )
+        if self.kv_dtype is not None:
+            try:
+                jnp.dtype(self.kv_dtype)
+            except TypeError:
+                raise ValueError(
+                    f"EngineConfig.kv_dtype={self.kv_dtype!r}: expected None or a dtype name"
+                ) from None
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: expected a bool")
+        self.scheduler_config()  # validates long_prefill_threshold against chunked prefill
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=int(self.max_num_seqs),
+            max_num_batched_tokens=int(self.max_num_batched_tokens),
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_threshold=self.long_prefill_threshold,
+        )
+
+    @property
+    def kv_slots(self) -> int:
+        """Usable KV token slots of the pool (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+# ------------------------------------------------------------------------------------ outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOutput:
+    """New tokens of one sample of a request after a step."""
+
+    request_id: Hashable
+    sample_index: int  # 0 .. n-1
+    new_token_ids: list[int]
+    finished: bool  # this sample finished
+    finish_reason: str | None  # "stop", "length", "abort" once finished
+    request_finished: bool  # every sample of the request finished
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput(GenerationOutput):
+    """One request's result: `token_ids` / `finish_reason` of sample 0, and every sample."""
+
+    request_id: Hashable = None
+    samples: tuple[GenerationOutput, ...] = ()  # [n] in sample order; samples[0] is the above
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host bookkeeping of a live request."""
+
+    sampling: SamplingParams  # as submitted
+    seq_ids: tuple[int, ...]  # [n]
+    tokens: list[list[int]]  # [n] streamed so far
+    reasons: list[str | None]  # [n]
+
+
+# ------------------------------------------------------------------------------------ device
+
+
+def _noise_key(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
+    """`fold_in(key(seed), position)` for sample 0, else with `sample_index` folded in first."""
+    key = jax.random.key(seed)
+    key = jax.lax.cond(
+        sample_index > 0, lambda k: jax.random.fold_in(k, sample_index), lambda k: k, key
+    )
+    return jax.random.fold_in(key, position)
+
+
+def sample_rows(
+    logits: jax.Array, sb: SamplingBatch, positions: jax.Array, sample_index: jax.Array
+) -> jax.Array:
+    """`jaxinfer.sampling.sample` with per-sample noise: `logits [R, V]` -> tokens `[R]` int32.
+
+    Args:
+      logits: one row per sampled token.
+      sb: the rows' sampling settings.
+      positions: `[R]` the position each sampled token will occupy.
+      sample_index: `[R]` the sample of its request each row belongs to (0 .. n-1).
+    """
+    v = logits.shape[-1]
+
+    def greedy_only():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def mixed():
+        x = process_logits(logits, sb)  # [R, V]
+        keys = jax.vmap(_noise_key)(sb.seed, sample_index, positions)  # [R]
+        g = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)  # [R, V]
+        sampled = jnp.argmax(x + g, axis=-1)
+        return jnp.where(sb.temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.all(sb.temperature <= 0), greedy_only, mixed)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
+def _step(
+    params: dict,
+    cache: PagedKVCache,
+    meta: BatchMetadata,  # T tokens, B sequences, N = B logits rows
+    sample_src: jax.Array,  # [B] int32 logits row of each sample row
+    sb: SamplingBatch,  # [B] rows
+    sample_pos: jax.Array,  # [B] int32 position of each sampled token
+    sample_index: jax.Array,  # [B] int32
+    *,
+    cfg: ModelConfig,
+    backend: str,
+) -> tuple[jax.Array, PagedKVCache]:
+    STEP_TRACE_COUNTS["step"] += 1
+    logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
+    tokens = sample_rows(logits[sample_src], sb, sample_pos, sample_index)  # [B]
+    return tokens, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    STEP_TRACE_COUNTS["copy"] += 1
+    return copy_blocks(cache, src, dst)
+
+
+def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Splits ordered copies into groups one parallel scatter applies exactly: a copy starts a new
+    group if it reads or overwrites a block an earlier copy of the group wrote."""
+    groups: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in copies:
+        if not groups or src in written or dst in written:
+            groups.append([])
+            written = set()
+        groups[-1].append((src, dst))
+        written.add(dst)
+    return groups
+
+
+def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
+    """The request's stop tokens, the model's eos included unless ignored (as `ji.generate`)."""
+    stops = set(sp.stop_token_ids)
+    if cfg.eos_token_id is not None and not sp.ignore_eos:
+        stops.add(cfg.eos_token_id)
+    return tuple(sorted(stops))
+
+
+# ------------------------------------------------------------------------------------ engine
+
+
+class Engine:
+    """Continuous-batching serving engine over a paged KV cache.
+
+    Args:
+      cfg: the model config.
+      params: the params pytree (dense or quantized; passed to `forward` as is).
+      config: pool, scheduling and device settings.
+      clock: the metrics clock (seconds); arrival and token times are read from it.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.cfg, self.params, self.config = cfg, params, config
+        self.clock = clock
+        S, nb = config.block_size, config.num_blocks
+        self.cache = init_cache(cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format)
+        self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
+        self.metrics_collector = MetricsCollector(clock)
+        # A scratch scheduler: admission checks of whole batches before anything is queued.
+        self._probe = Scheduler(config.scheduler_config(), BlockAllocator(nb, S, False))
+        self._live: dict[Hashable, _Live] = {}
+        self._sample_index: dict[int, int] = {}  # live seq id -> its sample index
+        self._keep: set[Hashable] = set()  # requests whose final output generate() collects
+        self._done: dict[Hashable, RequestOutput] = {}
+        self._ids = itertools.count()
+        self.step_shapes: collections.Counter = collections.Counter()  # (T, B, M) -> steps
+        self.num_steps = 0  # steps that ran on the device
+        self.last_schedule: Schedule | None = None
+
+    # ------------------------------------------------------------------------ requests
+
+    def _check(self, prompt, sp: SamplingParams, request_id: Hashable, index: int) -> None:
+        """Raises ValueError if the request is malformed or could never be scheduled."""
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling[{index}] is {type(sp).__name__}, expected SamplingParams")
+        if request_id in self.metrics_collector.requests:
+            raise ValueError(f"request id {request_id!r} was used already")
+        probe_id = ("probe", index)
+        try:
+            # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
+            validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
+            # Pool, rows and budget, by the scheduler's own admission checks.
+            self._probe.add_request(Request(probe_id, list(map(int, prompt)), sp))
+        except ValueError as e:
+            raise ValueError(f"request {index} ({request_id!r}): {e}") from None
+        finally:
+            self._probe.abort(probe_id)
+
+    def add_request(
+        self,
+        prompt: SequenceABC[int],
+        sampling: SamplingParams | None = None,
+        request_id: Hashable | None = None,
+        arrival_time: float | None = None,
+    ) -> Hashable:
+        """Queues a request; it is scheduled by the coming `step()` calls.
+
+        Args:
+          prompt: token ids.
+          sampling: its SamplingParams (n > 1: n samples sharing the prompt's blocks).
+          request_id: a hashable id never used before in this engine; None: a fresh one.
+          arrival_time: its arrival in the metrics clock; None: now.
+
+        Returns:
+          The request id.
+
+        Raises:
+          ValueError: a malformed request, a reused id, or one that could never be scheduled
+            (more KV blocks than the pool, n > max_num_seqs, a prefill beyond the token budget
+            without chunked prefill); nothing is queued then.
+        """
+        sp = SamplingParams() if sampling is None else sampling
+        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        self._check(prompt, sp, rid, 0)
+        self._enqueue(prompt, sp, rid, arrival_time)
+        return rid
+
+    def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
+        prompt = [int(t) for t in prompt]
+        sched_sp = dataclasses.replace(sp, stop_token_ids=_stop_ids(self.cfg, sp))
+        self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
+        arrival = self.metrics_collector.requests[rid].arrival_time
+        seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival))
+        for j, sid in enumerate(seq_ids):
+            self._sample_index[sid] = j
+        self._live[rid] = _Live(sp, seq_ids, [[] for _ in seq_ids], [None] * len(seq_ids))
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Stops a request in any state and frees its blocks; False if it is not live."""
+        if not self.scheduler.abort(request_id):
+            return False
+        self.metrics_collector.on_finish(request_id, aborted=True)
+        live = self._live.pop(request_id)
+        for sid in live.seq_ids:
+            self._sample_index.pop(sid, None)
+        self._keep.discard(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------------- step
+
+    def step(self) -> list[StreamOutput]:
+        """Runs one scheduling step on the device.
+
+        Returns:
+          One StreamOutput per sample that received tokens this step, in schedule order.
+        """
+        schedule = self.scheduler.schedule()
+        self.last_schedule = schedule
+        if schedule.is_empty:
+            self.scheduler.update(schedule, {})
+            return []
+        self._apply_copies(schedule.block_copies)
+        sampled = self._run(schedule)
+        outs = self.scheduler.update(schedule, sampled)
+        now = self.clock()
+        self.num_steps += 1
+
+        stream, per_request = [], collections.Counter()
+        for o in outs:
+            live = self._live[o.request_id]
+            j = self._sample_index[o.seq_id]
+            live.tokens[j].extend(o.new_token_ids)
+            reason = o.finish_reason.value if o.finished else None
+            live.reasons[j] = reason
+            per_request[o.request_id] += len(o.new_token_ids)
+            stream.append(
+                StreamOutput(
+                    o.request_id, j, list(o.new_token_ids), o.finished, reason, o.request_finished
+                )
+            )
+        for rid, n in per_request.items():
+            self.metrics_collector.on_tokens(rid, n, now)
+        for o in outs:
+            if o.request_finished and o.request_id in self._live:
+                self._finish(o.request_id, now)
+        usage = self.allocator.usage()
+        self.metrics_collector.on_step(
+            now,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=schedule.num_batched_tokens,
+            num_preempted=len(schedule.preempted_seq_ids),
+            kv_used_blocks=usage.num_used_blocks,
+            kv_total_blocks=usage.num_total_blocks,
+            kv_filled_slots=usage.num_filled_slots,
+            block_size=usage.block_size,
+            prefix_cache_hits=self.allocator.prefix_cache_hits,
+            prefix_cache_queries=self.allocator.prefix_cache_queries,
+        )
+        return stream
+
+    def _finish(self, rid: Hashable, now: float) -> None:
+        live = self._live.pop(rid)
+        for sid in live.seq_ids:
+            self._sample_index.pop(sid, None)
+        self.metrics_collector.on_finish(rid, now)
+        if rid in self._keep:
+            samples = tuple(GenerationOutput(t, r) for t, r in zip(live.tokens, live.reasons))
+            self._done[rid] = RequestOutput(
+                samples[0].token_ids, samples[0].finish_reason, request_id=rid, samples=samples
+            )
+
+    def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
+        for group in _copy_groups(copies):
+            n = bucket(len(group))
+            src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
+            dst = np.zeros(n, np.int32)
+            src[: len(group)], dst[: len(group)] = zip(*group)
+            self.cache = _copy(self.cache, src, dst)
+
+    def _run(self, schedule: Schedule) -> dict[int, list[int]]:
+        """Builds the padded batch, runs the jitted step; returns seq id -> [sampled token]."""
+        cfg = self.config
+        S = cfg.block_size
+        seqs = schedule.seqs
+        chunks = [
+            SeqChunk(s.token_ids, s.start_pos, s.block_table, "last" if s.sample else "none")
+            for s in seqs
+        ]
+        n_rows = sum(len(s.sample_seq_ids) for s in seqs)
+        b = bucket(max(len(seqs), n_rows), cfg.min_seq_bucket)
+        t = bucket(schedule.num_batched_tokens, cfg.min_token_bucket)
+        m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
+        meta, owner = build_metadata(
+            chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b
+        )
+        row_of = {int(c): r for r, c in enumerate(owner) if c >= 0}  # chunk -> logits row
+        src = np.zeros(b, np.int32)
+        pos = np.zeros(b, np.int32)
+        index = np.zeros(b, np.int32)
+        sps, ids = [], []
+        for i, s in enumerate(seqs):
+            for sid in s.sample_seq_ids:
+                k = len(ids)
+                src[k] = row_of[i]
+                pos[k] = s.start_pos + len(s.token_ids)
+                index[k] = self._sample_index[sid]
+                sps.append(self._live[s.request_id].sampling)
+                ids.append(sid)
+        sb = SamplingBatch.from_params(sps, pad_to=b)
+        self.step_shapes[(t, b, m)] += 1
+        tokens, self.cache = _step(
+            self.params, self.cache, meta, src, sb, pos, index,
+            cfg=self.cfg, backend=cfg.backend,
+        )  # fmt: skip
+        tokens = np.asarray(jax.device_get(tokens))  # [B] the only device -> host transfer
+        return {sid: [int(tokens[k])] for k, sid in enumerate(ids)}
+
+    # ------------------------------------------------------------------------ batch API
+
+    def generate(
+        self,
+        prompts: SequenceABC[SequenceABC[int]],
+        sampling: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs a batch of requests to completion (with any requests already queued).
+
+        Every request is validated before any is queued, so a bad one raises ValueError and
+        nothing runs.
+
+        Args:
+          prompts: token-id lists.
+          sampling: one SamplingParams for all, or one per prompt.
+
+        Returns:
+          One RequestOutput per prompt, in order; `.samples` holds all n samples.
+        """
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, SequenceABC) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        sampling = list(sampling)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        rids = [("generate", next(self._ids)) for _ in prompts]
+        for i, (p, sp) in enumerate(zip(prompts, sampling)):
+            self._check(p, sp, rids[i], i)
+        for p, sp, rid in zip(prompts, sampling, rids):
+            self._keep.add(rid)
+            self._enqueue(p, sp, rid, None)
+        while any(rid in self._live for rid in rids):
+            self.step()
+            if self.last_schedule.is_empty and not self.last_schedule.preempted_seq_ids:
+                # Nothing ran and nothing changed: the next schedule would be the same.
+                raise RuntimeError("the scheduler cannot make progress on the waiting requests")
+        return [self._done.pop(rid) for rid in rids]
+
+    # --------------------------------------------------------------------------- metrics
+
+    def metrics(self, slo: SLO | None = None) -> MetricsSummary:
+        """Run-level metrics over every request so far (goodput against `slo` if given)."""
+        return self.metrics_collector.summary(slo)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
