@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +177,7 @@ def generate(
     *,
     block_size: int = 16,
     backend: str = "auto",
+    pad_to: Mapping[str, int] | None = None,
 ) -> list[GenerationOutput]:
     """Generates a continuation for each prompt.
 
@@ -187,20 +188,28 @@ def generate(
       sampling: one SamplingParams for all prompts, or one per prompt.
       block_size: tokens per KV block.
       backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      pad_to: optional minimum padded sizes {"seqs", "tokens", "blocks", "new_tokens"}: a
+        caller that runs many batches (a static-batching server) fixes them to compile once.
 
     Returns:
       One GenerationOutput per prompt, in order.
     """
     sampling = validate_requests(cfg, prompts, sampling)
+    pad_to = dict(pad_to or {})
+    unknown = set(pad_to) - {"seqs", "tokens", "blocks", "new_tokens"}
+    if unknown:
+        raise ValueError(f"pad_to has unknown keys {sorted(unknown)}")
     n = len(prompts)
-    b = bucket(n)
+    b = bucket(n, pad_to.get("seqs", 1))
     lens = [len(p) for p in prompts]
-    max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
-    m = bucket(-(-(max(lens) + max_new) // block_size))
+    max_new = bucket(max(sp.max_tokens for sp in sampling), max(8, pad_to.get("new_tokens", 8)))
+    longest = max(n_p + sp.max_tokens for n_p, sp in zip(lens, sampling))
+    m = bucket(-(-longest // block_size), pad_to.get("blocks", 1))
     tables = contiguous_block_tables(b, m)
     chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
     prefill, _ = build_metadata(
-        chunks, block_size, num_tokens=bucket(sum(lens), 16), num_seqs=b, max_blocks=m,
+        chunks, block_size, num_tokens=bucket(sum(lens), max(16, pad_to.get("tokens", 16))),
+        num_seqs=b, max_blocks=m,
         num_logits=b,
     )  # fmt: skip
     prompt_lens = np.zeros(b, np.int32)

@@ -117,3 +117,17 @@ def test_prompt_lengths_within_a_bucket_do_not_recompile(params):
 def test_bad_input_raises(params, prompts, sp, match):
     with pytest.raises(ValueError, match=match):
         ji.generate(CFG, params, prompts, sp)
+
+
+def test_pad_to_fixes_shapes_across_batches(params):
+    sp = ji.SamplingParams(temperature=0, max_tokens=6)
+    pad = {"seqs": 4, "blocks": 4, "new_tokens": 16, "tokens": 64}
+    ref = ji.generate(CFG, params, [[1, 2, 3]], sp)
+    out = ji.generate(CFG, params, [[1, 2, 3]], sp, pad_to=pad)
+    assert out[0].token_ids == ref[0].token_ids
+    before = TRACE_COUNTS["generate"]
+    ji.generate(CFG, params, [[4] * 9, [5] * 20, [6]], sp, pad_to=pad)
+    ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=pad)
+    assert TRACE_COUNTS["generate"] == before
+    with pytest.raises(ValueError, match="unknown keys"):
+        ji.generate(CFG, params, [[1]], sp, pad_to={"batch": 4})
