@@ -81,6 +81,21 @@ def main(argv):
         f"beside the weights and a {_RESERVE_GIB.value} GiB reserve. GB = 1e9 B, GiB = 2^30 B."
     )
     (workdir / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    md = [
+        f"Sequences of {_SEQ_LEN.value} tokens whose KV fits in a {_GPU_GIB.value:g} GiB GPU "
+        f"beside the weights and a {_RESERVE_GIB.value:g} GiB reserve (block size "
+        f"{_BLOCK_SIZE.value}); GB = 1e9 B, GiB = 2^30 B; scales and zeros counted.",
+        "",
+        "| model | weights | KV | params | weights GB | weights GiB | KV bytes/token | seqs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['model']} | {r['weight_format']} | {r['kv_format']} | {r['num_params'] / 1e9:.2f} B "
+        f"| {r['weight_gb']:.2f} | {r['weight_gib']:.2f} | {r['kv_bytes_per_token']:,} "
+        f"| {r['max_sequences']} |"
+        for r in rows
+    ]
+    (workdir / "memory.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

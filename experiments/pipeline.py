@@ -2,15 +2,19 @@ r"""The main job: the whole story on the models shipped with the package.
 
     python experiments/pipeline.py --workdir=runs/pipeline
 
-Stages (quality first; later issues add quantization, memory, serving and speculative stages):
-  1. quality  — perplexity and top-1 accuracy of the target and the draft on the shipped test
-                split (a fixed token budget), the unigram baseline, the draft's greedy agreement
-                with the target;
-  2. samples  — completions of code prompts by the target;
-  3. decode   — tokens/s of `ji.generate` (compiled) at batch 1 and 8.
-Writes into --workdir: config.json (the resolved flags), results.json, report.md and the
-training loss curves (PNG). Without shipped models (a checkout before they were trained) it
-runs on a randomly initialised tiny preset and says so in its output.
+Stages, quality before any speed claim:
+  1. quality     — perplexity and top-1 accuracy of the target and the draft on the shipped test
+                   split (a fixed token budget), the unigram baseline, the draft's greedy
+                   agreement with the target; completions of code prompts; decode tokens/s;
+  2. quantization — experiments/quality_report.py: RTN / GPTQ / AWQ / SmoothQuant / KV formats;
+  3. memory      — experiments/memory_report.py: weight and KV bytes, sequences that fit a GPU;
+  4. serving     — experiments/serve_bench.py: static batching vs the engine under load;
+  5. speculative — experiments/spec_bench.py: acceptance, tokens per cycle, speedups.
+Stages 2-5 are the experiment scripts themselves, run as subprocesses in `--quick` mode (pass
+`--full` for their default settings) with their outputs under `--workdir/<stage>/`; the report
+embeds their tables and plots. Writes into --workdir: config.json (the resolved flags),
+results.json, report.md and the PNGs. Without shipped models (a checkout before they were
+trained) it runs on randomly initialised models and says so in its output.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import jax
@@ -35,6 +41,19 @@ _EVAL_TOKENS = flags.DEFINE_integer(
     "eval_tokens", ji_eval.EVAL_TOKENS, "Test-split token budget for perplexity."
 )
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Tokens per sample completion.")
+_STAGES = flags.DEFINE_list(
+    "stages", ["quality", "quantization", "memory", "serving", "speculative"], "Stages to run."
+)
+_FULL = flags.DEFINE_bool("full", False, "Run stages 2-5 with their full default settings.")
+
+EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
+# stage -> (script, extra flags, markdown file it writes, title)
+SCRIPT_STAGES = {
+    "quantization": ("quality_report.py", [], "quality.md", "Quantization quality"),
+    "memory": ("memory_report.py", [], "memory.md", "Memory"),
+    "serving": ("serve_bench.py", [], "serve_bench.md", "Serving"),
+    "speculative": ("spec_bench.py", [], "table.md", "Speculative decoding"),
+}
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt cut after "\n" would end on a token boundary the model never saw in training.
@@ -125,11 +144,9 @@ def _loss_curves(models: dict, workdir: str) -> list[str]:
     return pngs
 
 
-def write_report(workdir: str, models: dict, results: dict, pngs: list[str]) -> None:
+def _quality_section(results: dict) -> list[str]:
     q = results["quality"]
-    lines = ["# jaxinfer pipeline report", ""]
-    lines += [f"- {k}: `{v}`" for k, v in models.items()]
-    lines += ["", "## 1. Quality (test split)", ""]
+    lines = ["", "## 1. Quality (test split)", ""]
     lines += [
         f"{q['eval_tokens']} predicted tokens ({q['eval_windows'][0]} windows of "
         f"{q['eval_windows'][1] - 1}).",
@@ -146,18 +163,68 @@ def write_report(workdir: str, models: dict, results: dict, pngs: list[str]) -> 
             f"Draft greedy agreement with the target: {100 * q['draft_agreement']:.1f}% "
             f"(KL(target || draft) = {q['draft_kl']:.3f} nats/token).",
         ]
-    lines += ["", "## 2. Sample completions (target)", ""]
+    lines += ["", "### Sample completions (target)", ""]
     for s in results["samples"]:
         lines += ["Greedy:", "```python", s["prompt"] + s["greedy"], "```"]
         lines += ["Sampled (T=0.8, top-p 0.95):", "```python", s["prompt"] + s["sampled"], "```"]
     d = results["decode"]
     lines += [
         "",
-        "## 3. Decode throughput (`ji.generate`, greedy, 32-token prompts, 64 new tokens)",
+        "### Decode throughput (`ji.generate`, greedy, 32-token prompts, 64 new tokens)",
         "",
-        f"batch 1: {d['batch1_tok_s']:.0f} tokens/s; batch 8: {d['batch8_tok_s']:.0f} tokens/s "
-        f"({results['machine']}).",
+        f"batch 1: {d['batch1_tok_s']:.0f} tokens/s; batch 8: {d['batch8_tok_s']:.0f} tokens/s.",
     ]
+    return lines
+
+
+def run_script_stage(stage: str, workdir: str, models: dict) -> dict:
+    """Runs one experiment script as a subprocess; returns its markdown, plots and status."""
+    script, extra, md_name, title = SCRIPT_STAGES[stage]
+    out_dir = os.path.join(workdir, stage)
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, script), f"--workdir={out_dir}", *extra]
+    if stage != "memory" and not _FULL.value:
+        cmd.append("--quick")
+    if stage in ("quantization", "serving") and _MODEL.value:
+        cmd.append(f"--model={_MODEL.value}")
+    if stage == "speculative":
+        cmd += [f"--{k}={v}" for k, v in (("target", _MODEL.value), ("draft", _DRAFT.value)) if v]
+    print(f"[{stage}] " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    with open(os.path.join(out_dir, "log.txt"), "w") as f:
+        f.write(proc.stdout + "\n" + proc.stderr)
+    md_path = os.path.join(out_dir, md_name)
+    md = open(md_path).read() if os.path.exists(md_path) else None
+    if proc.returncode != 0 or md is None:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        print(f"[{stage}] FAILED (exit {proc.returncode}); see {out_dir}/log.txt\n{tail}")
+    pngs = sorted(os.path.join(stage, f) for f in os.listdir(out_dir) if f.endswith(".png"))
+    shown = ["python", f"experiments/{script}", *cmd[2:]]
+    command = " ".join(shown).replace(out_dir, f"<workdir>/{stage}")
+    return {"title": title, "ok": proc.returncode == 0 and md is not None, "seconds": seconds,
+            "markdown": md, "pngs": pngs, "command": command}  # fmt: skip
+
+
+def write_report(workdir: str, models: dict, results: dict, pngs: list[str]) -> None:
+    lines = ["# jaxinfer pipeline report", ""]
+    lines += [f"- {k}: `{v}`" for k, v in models.items()]
+    lines += [f"- machine: {results['machine']}"]
+    if "quality" in results:
+        lines += _quality_section(results)
+    for n, stage in enumerate(SCRIPT_STAGES, start=2):
+        if stage not in results:
+            continue
+        r = results[stage]
+        lines += ["", f"## {n}. {r['title']}", "", f"`{r['command']}` ({r['seconds']:.0f} s)", ""]
+        if not r["ok"]:
+            lines += [f"**This stage failed**; its log is `{stage}/log.txt`.", ""]
+        if r["markdown"]:
+            body = r["markdown"].strip().splitlines()
+            # Demote the script's own headings under this section's.
+            lines += ["#" + ln if ln.startswith("#") else ln for ln in body]
+        lines += [f"![{p}]({p})" for p in r["pngs"]]
     if pngs:
         lines += ["", "## Training loss curves", ""] + [f"![{p}]({p})" for p in pngs]
     with open(os.path.join(workdir, "report.md"), "w") as f:
@@ -173,13 +240,20 @@ def main(argv):
     target, draft, tok, models = _load_models()
     print(f"models: {models}")
     results = {"models": models, "machine": f"{os.cpu_count()} cores, {jax.default_backend()}"}
+    unknown = set(_STAGES.value) - {"quality", *SCRIPT_STAGES}
+    if unknown:
+        raise app.UsageError(f"unknown stages {sorted(unknown)}")
     t0 = time.perf_counter()
-    results["quality"] = stage_quality(target, draft, tok)
-    print(json.dumps(results["quality"], indent=2))
-    results["samples"] = stage_samples(target, tok)
-    print(results["samples"][0]["prompt"] + results["samples"][0]["greedy"])
-    results["decode"] = stage_decode(target)
-    print(results["decode"])
+    if "quality" in _STAGES.value:
+        results["quality"] = stage_quality(target, draft, tok)
+        print(json.dumps(results["quality"], indent=2))
+        results["samples"] = stage_samples(target, tok)
+        print(results["samples"][0]["prompt"] + results["samples"][0]["greedy"])
+        results["decode"] = stage_decode(target)
+        print(results["decode"])
+    for stage in SCRIPT_STAGES:
+        if stage in _STAGES.value:
+            results[stage] = run_script_stage(stage, workdir, models)
     results["seconds"] = time.perf_counter() - t0
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
