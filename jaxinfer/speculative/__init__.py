@@ -1,8 +1,10 @@
 """Speculative decoding: acceptance of drafted tokens and the speedup model.
 
 See `acceptance` for the rejection / coupled / greedy modes and their trade-off, and `speedup`
-for tokens per cycle, cycle time and the choice of γ.
+for tokens per cycle, cycle time and the choice of γ; `loop` runs speculative generation and
+`cycle_log` records and models its cycles.
 """
+
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance (one cycle's decision, jitted).
@@ -34,9 +36,26 @@ from jaxinfer.speculative.speedup import (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Generation loop (jaxinfer/speculative/loop.py: drafters, the lax.while_loop, cycle records).
-# Reserved for the lead: re-export `generate` and friends here and add them to __all__.
+# Generation loop (loop.py: the lax.while_loop; drafters.py: model and n-gram drafters).
 # ---------------------------------------------------------------------------------------------
+from jaxinfer.speculative.drafters import ngram_propose
+from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput, generate
+
+# ---------------------------------------------------------------------------------------------
+# Cycle logs (cycle_log.py: the host-driven loop, JSONL records, speedup model wiring, γ="auto").
+# ---------------------------------------------------------------------------------------------
+from jaxinfer.speculative.cycle_log import (
+    CycleRecord,
+    GammaChoice,
+    accepted_counts,
+    choose_gamma,
+    complete_alpha,
+    fit_costs,
+    generate_with_log,
+    read_cycle_log,
+    summarize_log,
+    write_cycle_log,
+)
 
 __all__ = [
     # acceptance
@@ -59,4 +78,19 @@ __all__ = [
     "pooled_alpha",
     "speedup",
     # loop
+    "ACCEPTANCE_MODES",
+    "SpeculativeOutput",
+    "generate",
+    "ngram_propose",
+    # cycle logs
+    "CycleRecord",
+    "GammaChoice",
+    "accepted_counts",
+    "choose_gamma",
+    "complete_alpha",
+    "fit_costs",
+    "generate_with_log",
+    "read_cycle_log",
+    "summarize_log",
+    "write_cycle_log",
 ]

@@ -1,0 +1,523 @@
+"""The speculative generation loop: a `lax.while_loop` of draft → verify → accept cycles.
+
+One cycle, for every sequence of the batch at once:
+
+1. **draft** — the drafter proposes γ tokens for positions cur+1..cur+γ, where `cur` is the
+   position of the sequence's last committed token (`drafters.py`: a draft model over its own
+   paged cache, or n-gram prompt lookup with no model).
+2. **verify** — the target scores the γ+1 positions cur..cur+γ of every sequence in ONE ragged
+   paged forward (q_len γ+1), writing their K/V into the target cache.
+3. **accept** — `acceptance.py` decides per sequence how many tokens to commit (greedy at
+   temperature 0, exact rejection sampling, or the coupled Gumbel mode); the commit is cut at the
+   first stop token and at max_tokens. A sequence's length simply advances by what it committed:
+   rejected positions are not rolled back, the next cycle overwrites their stale cache slots.
+
+Randomness is per request and per position, never per batch: the draft and the rejection test of
+the cycle that starts at position `cur` use `fold_in(fold_in(stream(seed), cur), tag)` (a stream
+apart from the plain sampling keys, see `_SPEC_STREAM`); the coupled mode uses
+`gumbel_noise(seed, position)`, the same noise as plain `ji.generate`, so its output is
+token-identical to it. Temperature, top-k, top-p and min-p shape p and q identically
+(`process_logits`).
+
+Two drivers share the same phase functions: `generate` runs the fused `lax.while_loop` (one
+compiled program per bucketed shape), `generate_with_log` calls a jitted draft phase and a jitted
+verify+accept phase from a Python loop, times each with `block_until_ready` and records one
+`CycleRecord` per cycle (`cycle_log.py`, which also reads logs into the speedup model and picks
+γ for `gamma="auto"`).
+
+Shapes: B sequences (bucketed), V vocabulary, γ drafted tokens, C = M·S token capacity per
+sequence, M blocks per sequence, S block size.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.cache.metadata import (
+    BatchMetadata,
+    SeqChunk,
+    bucket,
+    build_metadata,
+    contiguous_block_tables,
+)
+from jaxinfer.cache.paged import PagedKVCache, init_cache
+from jaxinfer.config import ModelConfig
+from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
+from jaxinfer.model.decoder import forward
+from jaxinfer.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    gumbel_noise,
+    probs,
+    process_logits,
+    sample,
+)
+from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
+from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, slots_of
+
+TRACE_COUNTS: collections.Counter = collections.Counter()  # phase name -> times traced
+ACCEPTANCE_MODES = ("rejection", "coupled")
+# Rejection-mode noise lives in its own stream, fold_in(key(seed), _SPEC_STREAM): a datum no
+# position reaches (positions are int32), so it never shares threefry counters with the plain
+# sampling key fold_in(key(seed), position) that drew the prefill's token.
+_SPEC_STREAM = 0xFFFFFFFF
+_ACCEPT_TAG = 1  # fold_in tags under the stream's fold_in(·, cycle start): acceptance noise
+_DRAFT_TAG = 2  # ... and the draft's sampling noise
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput(GenerationOutput):
+    """One request's result with its speculative statistics."""
+
+    num_cycles: int  # cycles the sequence took part in (its first token comes from prefill)
+    num_accepted: int  # drafted tokens accepted, before truncation at a stop / max_tokens
+    num_proposed: int  # drafted tokens proposed: γ per cycle
+    accepted_histogram: tuple[int, ...]  # [γ+1] cycles that accepted k = 0..γ drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / max(self.num_proposed, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about a run (hashable: one compilation per plan and shape bucket)."""
+
+    cfg: ModelConfig
+    dcfg: ModelConfig | None  # None: the n-gram drafter
+    gamma: int
+    acceptance: str
+    block_size: int
+    backend: str
+    ngram_max: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecInputs:
+    """Per-call constants of a run."""
+
+    tables: jax.Array  # [B, M] int32 each sequence's blocks, in both caches
+    sb: SamplingBatch  # [B] rows
+    stops: jax.Array  # [B, n_stop] int32, -1 padded
+    max_tokens: jax.Array  # [B] int32 (0 for padding rows)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """The loop carry: both caches and each sequence's progress."""
+
+    tcache: PagedKVCache  # target cache: holds positions 0..cur-1 of each sequence
+    dcache: PagedKVCache | None  # draft cache (None for n-gram): holds 0..dlen-1
+    hist: jax.Array  # [B, C] int32 committed tokens, prompt included
+    cur: jax.Array  # [B] int32 position of the last committed token
+    dlen: jax.Array  # [B] int32 positions in the draft cache; cur - dlen in {0, 1}
+    n_out: jax.Array  # [B] int32 generated tokens so far
+    done: jax.Array  # [B] bool
+    stopped: jax.Array  # [B] bool finished on a stop token
+    cycles: jax.Array  # [B] int32 cycles while live
+    accept_hist: jax.Array  # [B, γ+1] int32 cycles that accepted k drafts
+    step: jax.Array  # [] int32 cycles run
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CycleStats:
+    """What one cycle did, per sequence (the raw material of a CycleRecord)."""
+
+    live: jax.Array  # [B] bool the sequence took part
+    accepted: jax.Array  # [B] int32 drafts accepted (before truncation)
+    committed: jax.Array  # [B] int32 tokens committed (after truncation)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases (pure; jitted alone by the logging driver, fused by the while_loop driver).
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
+    """`tokens [B, ...]` against `stops [B, n_stop]` -> bool `[B, ...]`."""
+    s = stops.reshape(stops.shape[:1] + (1,) * (tokens.ndim - 1) + stops.shape[1:])
+    return jnp.any(tokens[..., None] == s, axis=-1)
+
+
+def _prefill(
+    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend
+) -> SpecState:
+    """Writes every prompt into both caches and samples each first token (as `ji.generate`).
+
+    Independent of γ and the acceptance mode (static: the two configs, block size, backend), so
+    every γ of a sweep shares one prefill compilation; `_start` adds the γ-shaped fields.
+    """
+    TRACE_COUNTS["prefill"] += 1
+    b, m = inputs.tables.shape
+    tcache = init_cache(cfg, 1 + b * m, block_size)
+    logits, tcache = forward(tparams, cfg, meta, tcache, backend=backend)  # [B, V]
+    first = sample(logits[:b], inputs.sb, prompt_lens)  # the token at position prompt_len
+    dcache = None
+    if dcfg is not None:
+        dcache = init_cache(dcfg, 1 + b * m, block_size)
+        _, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)
+    real = inputs.max_tokens > 0
+    n_out = real.astype(jnp.int32)
+    stopped = real & _is_stop(first, inputs.stops)
+    return SpecState(
+        tcache=tcache,
+        dcache=dcache,
+        hist=hist.at[jnp.arange(b), prompt_lens].set(first),
+        cur=prompt_lens,
+        dlen=prompt_lens,
+        n_out=n_out,
+        done=~real | stopped | (n_out >= inputs.max_tokens),
+        stopped=stopped,
+        cycles=jnp.zeros(b, jnp.int32),
+        accept_hist=jnp.zeros((b, 0), jnp.int32),  # sized by _start
+        step=jnp.int32(0),
+    )
+
+
+def _cycle_keys(sb: SamplingBatch, cur: jax.Array, tag: int) -> jax.Array:
+    """`[B]` typed keys, unique per request, cycle (its start position `cur`) and use `tag`."""
+
+    def one(seed, c):
+        stream = jax.random.fold_in(jax.random.key(seed), _SPEC_STREAM)
+        return jax.random.fold_in(jax.random.fold_in(stream, c), tag)
+
+    return jax.vmap(one)(sb.seed, cur)
+
+
+def _make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
+    """The draft's token choice at draft step j (position cur + 1 + j), and its q."""
+    greedy = sb.temperature <= 0  # [B]
+    draft_keys = _cycle_keys(sb, cur, _DRAFT_TAG)  # [B]
+
+    def pick(logits, j):  # logits [B, V] -> (tokens [B], q [B, V])
+        v = logits.shape[-1]
+
+        def greedy_only():
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return tok, jax.nn.one_hot(tok, v, dtype=jnp.float32)
+
+        def mixed():
+            x = process_logits(logits, sb)  # [B, V]
+            if acceptance == "coupled":  # the target's own noise at that position
+                g = gumbel_noise(sb.seed, cur + 1 + j, v)
+            else:
+                g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, j), (v,)))(
+                    draft_keys
+                )  # [B, V]
+            top = jnp.argmax(x, axis=-1)
+            tok = jnp.where(greedy, top, jnp.argmax(x + g, axis=-1)).astype(jnp.int32)
+            q = jnp.where(
+                greedy[:, None], jax.nn.one_hot(top, v, dtype=jnp.float32), jax.nn.softmax(x)
+            )
+            return tok, q
+
+        # An all-greedy batch needs neither noise nor logits processing.
+        return jax.lax.cond(jnp.all(greedy), greedy_only, mixed)
+
+    return pick
+
+
+def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+    """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
+    del tparams  # same signature as _verify, so both drivers call the phases alike
+    TRACE_COUNTS["draft"] += 1
+    if plan.dcfg is None:
+        tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)
+        q = jax.nn.one_hot(tokens, plan.cfg.vocab_size, dtype=jnp.float32)  # [B, γ, V]
+        return state, tokens, q
+    pick = _make_pick(inputs.sb, state.cur, plan.acceptance)
+    dcache, tokens, q = draft_with_model(
+        dparams, plan.dcfg, state.dcache, state.hist, state.cur, state.dlen, inputs.tables,
+        pick, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
+    )  # fmt: skip
+    return dataclasses.replace(state, dcache=dcache), tokens, q
+
+
+def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
+    """`logits [B, γ+1, V]` -> (tokens [B, γ+1], num_emitted [B]) per the rows' sampling."""
+    b, g1, v = logits.shape
+    greedy = sb.temperature <= 0  # [B]
+    g_tok, g_n = greedy_accept(logits, draft_tokens)
+
+    def mixed():
+        rows = sb.take(jnp.repeat(jnp.arange(b), g1))  # [B·(γ+1)] one row per position
+        flat = logits.reshape(b * g1, v)
+        if acceptance == "coupled":
+            x = process_logits(flat, rows).reshape(b, g1, v)
+            pos = (cur[:, None] + 1 + jnp.arange(g1)[None, :]).reshape(-1)  # sampled positions
+            g = gumbel_noise(rows.seed, pos, v).reshape(b, g1, v)
+            s_tok, s_n = coupled_accept(x, draft_tokens, g)
+        else:
+            p = probs(flat, rows).reshape(b, g1, v)
+            s_tok, s_n = rejection_sample(_cycle_keys(sb, cur, _ACCEPT_TAG), p, q, draft_tokens)
+        return jnp.where(greedy[:, None], g_tok, s_tok), jnp.where(greedy, g_n, s_n)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: (g_tok, g_n), mixed)
+
+
+def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+    """Verify + accept + commit: `(new state, CycleStats)`."""
+    TRACE_COUNTS["verify"] += 1
+    gamma, s = plan.gamma, plan.block_size
+    b, c = state.hist.shape
+    rows = jnp.arange(b)
+    g1 = gamma + 1
+    last = state.hist[rows, state.cur]  # [B]
+    tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, γ+1]
+    pos = state.cur[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]  # [B, γ+1]
+    batch = BatchMetadata(
+        tokens=tokens.reshape(-1),
+        positions=pos.reshape(-1),
+        query_start=jnp.arange(b + 1, dtype=jnp.int32) * g1,
+        seq_lens=state.cur + g1,
+        block_tables=inputs.tables,
+        slot_mapping=slots_of(inputs.tables, pos, s).reshape(-1),
+        logits_indices=jnp.arange(b * g1, dtype=jnp.int32),
+    )
+    logits, tcache = forward(tparams, plan.cfg, batch, state.tcache, backend=plan.backend)
+    logits = logits.reshape(b, g1, -1)  # [B, γ+1, V] predictions for positions cur+1..cur+γ+1
+    out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
+
+    # Cut the commit at the first stop token and at max_tokens; finished rows commit nothing.
+    slot = jnp.arange(g1)[None, :]  # [1, γ+1]
+    stop_at = _is_stop(out, inputs.stops) & (slot < num_emitted[:, None])  # [B, γ+1]
+    has_stop = jnp.any(stop_at, axis=1)
+    first_stop = jnp.argmax(stop_at, axis=1)
+    live = ~state.done
+    n = jnp.where(has_stop, jnp.minimum(num_emitted, first_stop + 1), num_emitted)
+    n = jnp.where(live, jnp.minimum(n, inputs.max_tokens - state.n_out), 0)  # [B]
+    write = jnp.where(slot < n[:, None], state.cur[:, None] + 1 + slot, c)  # c: dropped
+    hist = state.hist.at[rows[:, None], write].set(out, mode="drop")
+    n_out = state.n_out + n
+    hit = live & has_stop & (first_stop < n)
+    # The draft saw positions up to cur+γ-1: all of them valid after a full accept (then the
+    # last draft and the bonus are new to it), up to the committed prefix otherwise.
+    dlen = state.cur + jnp.minimum(n, gamma)
+    accepted = num_emitted - 1
+    new = dataclasses.replace(
+        state,
+        tcache=tcache,
+        hist=hist,
+        cur=state.cur + n,
+        dlen=jnp.where(live, dlen, state.dlen),
+        n_out=n_out,
+        done=state.done | hit | (n_out >= inputs.max_tokens),
+        stopped=state.stopped | hit,
+        cycles=state.cycles + live,
+        accept_hist=state.accept_hist.at[rows, accepted].add(live.astype(jnp.int32)),
+        step=state.step + 1,
+    )
+    return new, CycleStats(live=live, accepted=jnp.where(live, accepted, 0), committed=n)
+
+
+def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+    TRACE_COUNTS["loop"] += 1
+    # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
+    limit = jnp.max(inputs.max_tokens)
+
+    def cond(st):
+        # Stop when every sequence has hit a stop token or its max_tokens; the cycle bound is a
+        # guard only.
+        return ~jnp.all(st.done) & (st.step < limit)
+
+    def body(st):
+        st, tokens, q = _draft(tparams, dparams, st, inputs, plan=plan)
+        st, _ = _verify(tparams, tokens, q, st, inputs, plan=plan)
+        return st
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "dcfg", "block_size", "backend"))
+# The two halves of a cycle, jitted alone for the host-driven, timed driver (cycle_log.py).
+draft_phase = jax.jit(_draft, static_argnames=("plan",))
+verify_phase = jax.jit(_verify, static_argnames=("plan",))
+_loop_jit = jax.jit(_run_loop, static_argnames=("plan",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: validation, bucketing, the two drivers.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A validated, bucketed request batch: what both drivers start from (host side)."""
+
+    plan: _Plan
+    tparams: dict
+    dparams: dict | None
+    meta: BatchMetadata
+    hist: np.ndarray  # [B, C] int32 prompts
+    prompt_lens: np.ndarray  # [B] int32
+    inputs: SpecInputs
+    n: int  # real requests
+
+
+def _check_gamma(gamma) -> int:
+    if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer) or gamma < 1:
+        raise ValueError(f"gamma must be an int >= 1 or 'auto', got {gamma!r}")
+    return int(gamma)
+
+
+def _unpack_draft(draft, cfg: ModelConfig):
+    """`draft` -> (dcfg or None, dparams or None), checking it against the target."""
+    if isinstance(draft, str):
+        if draft != "ngram":
+            raise ValueError(f"draft must be (ModelConfig, params) or 'ngram', got {draft!r}")
+        return None, None
+    if not (isinstance(draft, tuple | list) and len(draft) == 2):
+        raise ValueError(f"draft must be (ModelConfig, params) or 'ngram', got {type(draft)}")
+    dcfg, dparams = draft
+    if not isinstance(dcfg, ModelConfig):
+        raise ValueError(f"draft[0] must be a ModelConfig, got {type(dcfg).__name__}")
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {dcfg.vocab_size} differs from target vocab_size "
+            f"{cfg.vocab_size}: speculative decoding needs one shared vocabulary"
+        )
+    return dcfg, dparams
+
+
+def prepare_run(
+    target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
+) -> PreparedRun:
+    """Validates a request batch (raising ValueError) and builds its bucketed inputs.
+
+    Arguments as in `generate` (gamma an int). Shapes: B = bucket(#prompts); per sequence
+    M = bucket(⌈(longest prompt + bucket(max_tokens, 8) + γ + 1) / S⌉) blocks, in each cache.
+    """
+    if not (isinstance(target, tuple | list) and len(target) == 2):
+        raise ValueError(f"target must be (ModelConfig, params), got {type(target)}")
+    cfg, tparams = target
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"target[0] must be a ModelConfig, got {type(cfg).__name__}")
+    gamma = _check_gamma(gamma)
+    if acceptance not in ACCEPTANCE_MODES:
+        raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
+    if isinstance(ngram_max, bool) or not isinstance(ngram_max, int) or ngram_max < 1:
+        raise ValueError(f"ngram_max must be an int >= 1, got {ngram_max!r}")
+    dcfg, dparams = _unpack_draft(draft, cfg)
+    sampling = validate_requests(cfg, prompts, sampling)
+    limit = min(cfg.max_position_embeddings, (dcfg or cfg).max_position_embeddings)
+    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        need = len(p) + sp.max_tokens + gamma + 1
+        if need > limit:
+            raise ValueError(
+                f"prompt {i}: length {len(p)} + max_tokens {sp.max_tokens} + gamma {gamma} + 1 "
+                f"= {need} exceeds the position limit {limit} (max_position_embeddings of target "
+                "and draft): a cycle verifies γ+1 positions past the last committed token"
+            )
+    n, b = len(prompts), bucket(len(prompts))
+    lens = [len(p) for p in prompts]
+    max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
+    m = bucket(-(-(max(lens) + max_new + gamma + 1) // block_size))
+    tables = contiguous_block_tables(b, m)
+    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
+    meta, _ = build_metadata(
+        chunks, block_size, num_tokens=bucket(sum(lens), 16), num_seqs=b, max_blocks=m,
+        num_logits=b,
+    )  # fmt: skip
+    hist = np.zeros((b, m * block_size), np.int32)
+    prompt_lens = np.zeros(b, np.int32)
+    max_tokens = np.zeros(b, np.int32)
+    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        hist[i, : len(p)] = p
+        prompt_lens[i] = len(p)
+        max_tokens[i] = sp.max_tokens
+    inputs = SpecInputs(
+        tables=tables,
+        sb=SamplingBatch.from_params(sampling, pad_to=b),
+        stops=stop_table(cfg, sampling, b),
+        max_tokens=max_tokens,
+    )
+    plan = _Plan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
+    return PreparedRun(plan, tparams, dparams, meta, hist, prompt_lens, inputs, n)
+
+
+def collect_outputs(prep: PreparedRun, state: SpecState) -> list[SpeculativeOutput]:
+    """The real requests' outputs from a finished state (one device-to-host transfer)."""
+    hist, n_out, stopped, cycles, ahist = jax.device_get(
+        (state.hist, state.n_out, state.stopped, state.cycles, state.accept_hist)
+    )
+    ks = np.arange(ahist.shape[1])
+    outs = []
+    for i in range(prep.n):
+        start = int(prep.prompt_lens[i])
+        outs.append(
+            SpeculativeOutput(
+                token_ids=hist[i, start : start + n_out[i]].tolist(),
+                finish_reason="stop" if stopped[i] else "length",
+                num_cycles=int(cycles[i]),
+                num_accepted=int(np.sum(ks * ahist[i])),
+                num_proposed=int(cycles[i]) * prep.plan.gamma,
+                accepted_histogram=tuple(int(x) for x in ahist[i]),
+            )
+        )
+    return outs
+
+
+def prefill_run(prep: PreparedRun) -> SpecState:
+    """The jitted prefill of both caches: the state before the first cycle."""
+    plan = prep.plan
+    state = _prefill_jit(
+        prep.tparams, prep.dparams, prep.meta, prep.hist, prep.prompt_lens, prep.inputs,
+        cfg=plan.cfg, dcfg=plan.dcfg, block_size=plan.block_size, backend=plan.backend,
+    )  # fmt: skip
+    b = prep.hist.shape[0]
+    return dataclasses.replace(state, accept_hist=jnp.zeros((b, plan.gamma + 1), jnp.int32))
+
+
+def generate(
+    target: tuple[ModelConfig, dict],
+    draft: tuple[ModelConfig, dict] | str,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    gamma: int | str = 4,
+    acceptance: str = "rejection",
+    block_size: int = 16,
+    backend: str = "auto",
+    ngram_max: int = 3,
+) -> list[SpeculativeOutput]:
+    """Speculative generation: the whole request batch in one `lax.while_loop`.
+
+    Args:
+      target: (cfg, params) of the model whose distribution the output follows.
+      draft: (cfg, params) of a draft model with the same vocabulary, or "ngram" for
+        prompt-lookup drafting (no model).
+      prompts: token-id lists of any lengths.
+      sampling: one SamplingParams for all prompts, or one per prompt (as `ji.generate`).
+      gamma: tokens drafted per cycle, or "auto": a short calibration run measures α and the
+        draft and verify costs and picks γ by the speedup model (`cycle_log.choose_gamma`).
+      acceptance: "rejection" (exact rejection sampling; the output follows the declared
+        distribution) or "coupled" (shared Gumbel noise; token-identical to `ji.generate` with
+        the same seeds). Temperature-0 requests are greedy in both modes.
+      block_size: tokens per KV block.
+      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      ngram_max: longest suffix the n-gram drafter matches.
+
+    Returns:
+      One SpeculativeOutput per prompt, in order: token_ids, finish_reason and the cycle stats.
+    """
+    if isinstance(gamma, str) and gamma == "auto":
+        from jaxinfer.speculative.cycle_log import choose_gamma  # cycle_log imports this module
+
+        gamma = choose_gamma(
+            target, draft, prompts, sampling, acceptance=acceptance, block_size=block_size,
+            backend=backend, ngram_max=ngram_max,
+        ).gamma  # fmt: skip
+    prep = prepare_run(
+        target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
+    )
+    state = _loop_jit(prep.tparams, prep.dparams, prefill_run(prep), prep.inputs, plan=prep.plan)
+    return collect_outputs(prep, state)
