@@ -180,7 +180,9 @@ def save_checkpoint(
         arr = params[key[0]] if key[0] != "layers" else params["layers"][key[1]][key[2]]
         arr = np.asarray(jax.device_get(arr))
         out[hf_name] = np.ascontiguousarray(arr.T if transposed else arr)
-    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(path, "model.safetensors")
+    save_file(out, weights, metadata={"format": "pt"})
+    os.chmod(weights, 0o644)  # safetensors writes 0600; a checkpoint is meant to be shared
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(cfg), f, indent=2)
     gen = {"_from_model_config": True}
