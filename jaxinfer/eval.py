@@ -1,4 +1,5 @@
-"""Quality measurements: perplexity, top-1 accuracy, a unigram baseline, draft-target agreement.
+"""Quality measurements: perplexity, top-1 accuracy, a unigram baseline, agreement and KL to a
+reference (a draft to its target, a quantized model to its float original).
 
 Every measure runs over fixed next-token windows `[N, S+1]` (inputs `w[:, :-1]`, targets
 `w[:, 1:]`), so different models are scored on exactly the same predictions. The standard budget
@@ -9,6 +10,11 @@ predicted tokens, each predicted exactly once (`jaxinfer.data.eval_windows`).
 Device side: one jitted function per model config (per-window sums of cross entropy and correct
 top-1 predictions, and the argmax) and one per model pair (agreement and KL). Batches are padded to
 a fixed size so each runs one compilation; padded windows are dropped on the host.
+
+Serving numerics (`lm_stats_paged`, and `compare_to_reference` with a KV format): each window is
+prefilled as one ragged chunk with logits "all" through the paged `forward`, which writes its K/V
+into a fresh cache of the given format ("float", "int8", "fp8") and attends to them as stored
+(dequantized), so a quantized KV cache is measured exactly as the engine would run it.
 """
 
 from __future__ import annotations
@@ -22,12 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
+from jaxinfer.cache.paged import KV_FORMATS, init_cache
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.decoder import forward_dense
+from jaxinfer.model.decoder import forward, forward_dense
 
 EVAL_TOKENS = 65_536  # the standard token budget: the first 64 Ki tokens of the test stream
 EVAL_SEQ_LEN = 256  # the window the embedded models were trained on
 EVAL_BATCH_SIZE = 16  # windows per jitted forward
+# Windows per paged forward: the reference paged attention gathers every query's context,
+# [T, M, K, S, D] floats per layer, so paged batches stay small on CPU.
+PAGED_BATCH_SIZE = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +250,242 @@ def greedy_agreement(
 ) -> float:
     """Fraction of positions where target and draft argmaxes agree; see `pair_stats`."""
     return pair_stats(target, draft, tokens, **kwargs).agreement
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving numerics: scoring through the paged forward, comparison to a reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_kv_format(kv_format) -> None:
+    if kv_format is not None and kv_format not in KV_FORMATS:
+        raise ValueError(
+            f"kv_format={kv_format!r}; expected None (dense forward, no cache) or one of "
+            f"{KV_FORMATS} (paged forward)"
+        )
+
+
+def _check_sizes(block_size, batch_size) -> None:
+    for name, value in (("block_size", block_size), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@functools.lru_cache(maxsize=16)
+def _paged_layout(num_windows: int, seq_len: int, block_size: int):
+    """Metadata of `num_windows` windows, each prefilled as one chunk with logits "all".
+
+    Window i owns blocks 1 + i·M .. (i+1)·M (block 0 is the null block). Only the tokens change
+    from batch to batch, so the layout is built once (numpy, tokens left zero).
+
+    Returns:
+      (metadata, num_blocks of the cache).
+    """
+    m = -(-seq_len // block_size)  # blocks per window
+    tables = contiguous_block_tables(num_windows, m)  # [B, M]
+    chunks = [
+        SeqChunk([0] * seq_len, 0, tables[i].tolist(), logits="all") for i in range(num_windows)
+    ]
+    t = num_windows * seq_len
+    meta, _ = build_metadata(
+        chunks, block_size, num_tokens=t, num_seqs=num_windows, max_blocks=m, num_logits=t
+    )
+    return meta, 1 + num_windows * m
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "kv_format", "num_blocks", "block_size", "backend")
+)
+def _paged_logits(params, inputs, meta, cfg, kv_format, num_blocks, block_size, backend):
+    """`inputs [B, S]` -> logits `[B, S, V]` through the paged forward and a fresh cache."""
+    bsz, n = inputs.shape
+    cache = init_cache(cfg, num_blocks, block_size, kv_format=kv_format)
+    meta = dataclasses.replace(meta, tokens=inputs.reshape(-1))  # [B*S], rows in window order
+    logits, _ = forward(params, cfg, meta, cache, backend=backend)  # [B*S, V]
+    return logits.reshape(bsz, n, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _dense_logits(params, inputs, cfg):
+    return forward_dense(params, cfg, inputs)  # [B, S, V] float32
+
+
+def _logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size: int):
+    """A host function `inputs [batch_size, S] -> logits [batch_size, S, V]` for one model.
+
+    kv_format None: the dense forward. Otherwise the paged forward over a `kv_format` cache, in
+    sub-batches of at most PAGED_BATCH_SIZE windows (the largest divisor of batch_size).
+    """
+    if kv_format is None:
+        return lambda inputs: _dense_logits(params, inputs, cfg)
+    sub = max(d for d in range(1, min(batch_size, PAGED_BATCH_SIZE) + 1) if batch_size % d == 0)
+
+    def run(inputs):
+        meta, num_blocks = _paged_layout(sub, inputs.shape[1], block_size)
+        meta = jax.tree.map(jnp.asarray, meta)
+        parts = [
+            _paged_logits(
+                params, inputs[i : i + sub], meta, cfg, kv_format, num_blocks, block_size, backend
+            )
+            for i in range(0, inputs.shape[0], sub)
+        ]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    return run
+
+
+@jax.jit
+def _ce_correct(logits, targets):
+    """Per window: summed cross entropy [B] and correct top-1 count [B] of `logits [B, S, V]`."""
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
+    correct = jnp.sum(jnp.argmax(logits, axis=-1) == targets, axis=-1)  # [B]
+    return jnp.sum(lse - picked, axis=-1), correct
+
+
+@jax.jit
+def _kl_agree(ref_logits, logits):
+    """Per window: summed KL(ref || model) [B] and positions where the argmaxes agree [B]."""
+    log_p = jax.nn.log_softmax(ref_logits, axis=-1)  # [B, S, V]
+    log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, S, V]
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
+    agree = jnp.sum(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1), axis=-1)  # [B]
+    return kl, agree
+
+
+def lm_stats_paged(
+    cfg: ModelConfig,
+    params: dict,
+    tokens,
+    kv_format: str = "int8",
+    *,
+    block_size: int = 16,
+    seq_len: int = EVAL_SEQ_LEN,
+    max_tokens: int | None = None,
+    batch_size: int = PAGED_BATCH_SIZE,
+    backend: str = "auto",
+    progress: bool = False,
+) -> LMStats:
+    """`lm_stats` with serving numerics: every window prefilled through the paged forward.
+
+    Each window is one ragged chunk (logits "all") written into a fresh paged cache of
+    `kv_format`; attention reads the cache as stored, so an int8 / fp8 cache is scored as the
+    engine runs it. With kv_format="float" the result equals `lm_stats` up to float rounding.
+
+    Args:
+      cfg: model config.
+      params: params pytree (dense or quantized linears).
+      tokens: windows [N, S+1] int, or a stream [N] (see `lm_stats`).
+      kv_format: "float" (the model dtype), "int8" or "fp8".
+      block_size: tokens per KV block.
+      seq_len, max_tokens: as in `lm_stats`.
+      batch_size: windows per jitted paged forward.
+      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      progress: show a tqdm bar.
+
+    Returns:
+      The LMStats.
+    """
+    if kv_format is None:
+        raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
+    _check_kv_format(kv_format)
+    _check_sizes(block_size, batch_size)
+    windows = _as_windows(cfg, tokens, seq_len, max_tokens)
+    logits_of = _logits_fn(cfg, params, kv_format, block_size, backend, batch_size)
+    ce_sum, correct = 0.0, 0
+    for real, batch in _batches(windows, batch_size, f"eval ({kv_format} KV)", progress):
+        batch = jnp.asarray(batch)
+        ce, ok = _ce_correct(logits_of(batch[:, :-1]), batch[:, 1:])
+        ce_sum += float(np.sum(np.asarray(ce, np.float64)[:real]))
+        correct += int(np.sum(np.asarray(ok)[:real]))
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    return LMStats(num_tokens=n, nll=ce_sum / n, accuracy=correct / n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceStats:
+    """A model's next-token statistics and its distance to a reference on the same windows."""
+
+    num_tokens: int  # predicted tokens (windows x S)
+    nll: float  # mean cross entropy, nats / token
+    accuracy: float  # fraction of targets equal to the model's argmax
+    kl: float  # mean KL(reference || model) of the next-token distributions, nats / token
+    agreement: float  # fraction of positions where the model's argmax equals the reference's
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+def compare_to_reference(
+    reference: tuple,
+    candidates: dict[str, tuple],
+    tokens,
+    *,
+    block_size: int = 16,
+    seq_len: int = EVAL_SEQ_LEN,
+    max_tokens: int | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
+    backend: str = "auto",
+    progress: bool = False,
+) -> tuple[ReferenceStats, dict[str, ReferenceStats]]:
+    """Scores a reference and many variants of it in one pass over the windows.
+
+    Each batch's reference logits are computed once and every candidate is compared to them
+    (the quality table of a quantization sweep runs the float model once, not once per method).
+
+    Args:
+      reference: `(cfg, params)` or `(cfg, params, kv_format)`.
+      candidates: name -> `(cfg, params)` or `(cfg, params, kv_format)`; kv_format None (or
+        absent) scores with the dense forward, "float" / "int8" / "fp8" through the paged
+        forward and a cache of that format (see `lm_stats_paged`). Same vocabulary as the
+        reference.
+      tokens: windows [N, S+1] int, or a stream [N] (see `lm_stats`).
+      block_size: tokens per KV block of the paged candidates.
+      seq_len, max_tokens, batch_size, progress: as in `lm_stats`.
+      backend: attention backend of the paged candidates.
+
+    Returns:
+      (the reference's own stats (kl 0, agreement 1), name -> stats of each candidate).
+    """
+    _check_sizes(block_size, batch_size)
+    specs = {"": reference, **{f"candidate {k!r}": v for k, v in candidates.items()}}
+    models = []
+    for where, spec in specs.items():
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise ValueError(
+                f"{where or 'reference'}: expected (cfg, params) or (cfg, params, kv_format), "
+                f"got a {type(spec).__name__}"
+            )
+        cfg, params, kv = (*spec, None) if len(spec) == 2 else spec
+        _check_kv_format(kv)
+        if cfg.vocab_size != reference[0].vocab_size:
+            raise ValueError(
+                f"{where}: vocab_size {cfg.vocab_size} differs from the reference's "
+                f"{reference[0].vocab_size}"
+            )
+        models.append((cfg, _logits_fn(cfg, params, kv, block_size, backend, batch_size)))
+    windows = _as_windows(reference[0], tokens, seq_len, max_tokens)
+    for cfg, _ in models[1:]:
+        _as_windows(cfg, windows, seq_len, None)  # each candidate's limits too
+    sums = np.zeros((len(models), 4), np.float64)  # ce, correct, kl, agree per model
+    for real, batch in _batches(windows, batch_size, "compare", progress):
+        batch = jnp.asarray(batch)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, S] each
+        ref_logits = models[0][1](inputs)  # [B, S, V]
+        for i, (_, logits_of) in enumerate(models):
+            logits = ref_logits if i == 0 else logits_of(inputs)
+            ce, ok = _ce_correct(logits, targets)
+            kl, agree = _kl_agree(ref_logits, logits)
+            for j, x in enumerate((ce, ok, kl, agree)):
+                sums[i, j] += float(np.sum(np.asarray(x, np.float64)[:real]))
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    stats = [
+        ReferenceStats(num_tokens=n, nll=s[0] / n, accuracy=s[1] / n, kl=s[2] / n,
+                       agreement=s[3] / n)
+        for s in sums
+    ]  # fmt: skip
+    return stats[0], dict(zip(candidates, stats[1:]))
 
 
 # ---------------------------------------------------------------------------------------------
