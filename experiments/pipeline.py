@@ -19,6 +19,7 @@ trained) it runs on randomly initialised models and says so in its output.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -189,6 +190,9 @@ def run_script_stage(stage: str, workdir: str, models: dict) -> dict:
         cmd.append(f"--model={_MODEL.value}")
     if stage == "speculative":
         cmd += [f"--{k}={v}" for k, v in (("target", _MODEL.value), ("draft", _DRAFT.value)) if v]
+        # The transformers baselines need the test extras (torch, transformers).
+        if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+            cmd.append("--notransformers")
     print(f"[{stage}] " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
