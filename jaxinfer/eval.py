@@ -380,7 +380,7 @@ def lm_stats_paged(
       block_size: tokens per KV block.
       seq_len, max_tokens: as in `lm_stats`.
       batch_size: windows per jitted paged forward.
-      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       progress: show a tqdm bar.
 
     Returns:

@@ -187,7 +187,7 @@ def generate(
       prompts: token-id lists of any lengths.
       sampling: one SamplingParams for all prompts, or one per prompt.
       block_size: tokens per KV block.
-      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       pad_to: optional minimum padded sizes {"seqs", "tokens", "blocks", "new_tokens"}: a
         caller that runs many batches (a static-batching server) fixes them to compile once.
 

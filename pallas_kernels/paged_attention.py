@@ -17,7 +17,7 @@ multiplication with zero. Rows of q beyond query_start[B] are padding: their out
 
 How the kernel is laid out (grid = (query tiles, kv heads, KV partitions)):
   * Query tiles. The host-side wrapper cuts each sequence's queries into tiles of `bq` tokens
-    (`_tile_schedule`, plain jnp) and hands the kernel, per tile, its sequence and first query
+    (`tile_schedule`, plain jnp) and hands the kernel, per tile, its sequence and first query
     as ordinary int32 inputs: Triton has no scalar prefetch, so all metadata (tile schedule,
     query_start, seq_lens, block_tables) is read inside the kernel from ordinary refs.
   * GQA. A program owns one kv head and all its G = H / K query heads: the tile is
@@ -295,7 +295,7 @@ def _paged_attention_pallas_call(
     )(tile_seq, tile_q0, query_start, seq_lens, block_tables, q, k_pages, v_pages, k_scale, v_scale)
 
 
-def _tile_schedule(query_start: jax.Array, num_tiles: int, tile_tokens: int):
+def tile_schedule(query_start: jax.Array, num_tiles: int, tile_tokens: int):
     """Cuts each sequence's queries into tiles of `tile_tokens`: (seq, first query) per tile.
 
     Tiles past the last one are empty: they point at the end of the last sequence.
@@ -420,7 +420,7 @@ def ragged_paged_attention(
 
     qg = q.reshape(t, kv_heads, group, d)  # [T, K, G, D]: a kv head's query heads side by side
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, plan.group_pad - group), (0, 0)))  # [T, K, Gp, D]
-    tile_seq, tile_q0 = _tile_schedule(query_start, plan.num_tiles, plan.tile_tokens)
+    tile_seq, tile_q0 = tile_schedule(query_start, plan.num_tiles, plan.tile_tokens)
     o, lse = _paged_attention_pallas_call(
         tile_seq, tile_q0, query_start, seq_lens, block_tables, qg, k_pages, v_pages,
         k_scale, v_scale, plan=plan, sliding_window=sliding_window, sizes=sizes,

@@ -39,7 +39,7 @@ def test_pallas_interpret_forward_logits_match_reference():
 
 
 def test_backend_names():
-    assert resolve_backend("auto") in ("reference", "pallas")
+    assert resolve_backend("auto") in ("xla", "pallas")
     with pytest.raises(ValueError, match="backend='cuda'"):
         resolve_backend("cuda")
 

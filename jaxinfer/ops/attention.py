@@ -1,11 +1,16 @@
-"""Attention ops: the reference implementations and the backend dispatch.
+"""Attention ops: the backend dispatch, the XLA ragged paged attention, dense causal attention.
 
 `paged_attention` is the one op that serves decode, verification and chunked prefill over the
-ragged batch of `BatchMetadata`; `dense_causal_attention` serves `forward_dense`. The reference
-here defines the semantics (DESIGN.md): query i of sequence b sits at position
-p = seq_lens[b] - q_len_b + i and attends to keys 0..p (and > p - window with a sliding window),
-GQA by head grouping, softmax in float32 with scale 1/sqrt(D). Slots outside the live context may
-hold garbage or NaN: they are excluded with `where`, never multiplied by zero.
+ragged batch of `BatchMetadata`; `dense_causal_attention` serves `forward_dense`. The semantics
+(DESIGN.md) are those of the oracle `paged_attention_reference` (the Pallas package's pure-jnp
+reference): query i of sequence b sits at position p = seq_lens[b] - q_len_b + i and attends to
+keys 0..p (and > p - window with a sliding window), GQA by head grouping, softmax in float32 with
+scale 1/sqrt(D). Slots outside the live context may hold garbage or NaN: they are excluded with
+`where`, never multiplied by zero.
+
+Backends: "xla" (`paged_attention_xla`, the CPU default), "reference" (the oracle: simple, but it
+gathers each query row's whole context), "pallas" (the Triton kernel, the GPU default) and
+"pallas-interpret" (the kernel in interpret mode, for tests on a CPU).
 """
 
 from __future__ import annotations
@@ -13,16 +18,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+from pallas_kernels.paged_attention import (
+    ragged_paged_attention_reference as paged_attention_reference,
+)
+from pallas_kernels.paged_attention import tile_schedule
+
+BACKENDS = ("auto", "xla", "reference", "pallas", "pallas-interpret")
 _MASKED = -1e30  # finite, so a row with no live key gives zeros instead of NaN
+_PAGE_COST = 4  # reading one page costs about this many query rows of arithmetic (CPU)
+_KEYS_PER_CHUNK = 128  # keys per online-softmax step of paged_attention_xla
 
 
 def resolve_backend(backend: str) -> str:
-    """ "auto" -> "pallas" on GPU, "reference" elsewhere; validates the name."""
+    """ "auto" -> "pallas" on GPU, "xla" elsewhere; validates the name."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     return backend
 
 
@@ -32,7 +44,25 @@ def _dequant(pages, scale):
     return pages.astype(jnp.float32) * scale[..., None]
 
 
-def paged_attention_reference(
+def _query_tile(num_tokens: int, num_seqs: int) -> int:
+    """The static query-tile size of `paged_attention_xla` for a `[T]`-token, `[B]`-sequence batch.
+
+    A batch of T rows over B sequences cuts into at most min(T, T // tq + B) tiles of tq rows, one
+    sequence each. Each tile reads its sequence's pages once and computes tq rows against them, so
+    the cost is about tiles * (c + tq) with c ~ 4 (a page read costs about four query rows of
+    arithmetic on a CPU): decode batches (T ~ B) get tq = 1, prefill chunks get tiles of 8-32.
+    """
+    best_cost, best = num_tokens * (_PAGE_COST + 1), 1
+    tq = 2
+    while tq <= num_tokens:
+        cost = min(num_tokens, num_tokens // tq + num_seqs) * (_PAGE_COST + tq)
+        if cost < best_cost:
+            best_cost, best = cost, tq
+        tq *= 2
+    return best
+
+
+def paged_attention_xla(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -44,16 +74,13 @@ def paged_attention_reference(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """Ragged paged attention, pure jnp.
+    """Ragged paged attention in plain XLA, organised like the Pallas kernel.
 
-    Args:
-      q: `[T, H, D]` queries of a flat ragged batch.
-      k_pages, v_pages: one layer's pages `[num_blocks, K, S, D]`.
-      query_start: `[B+1]` row offsets of each sequence's queries.
-      seq_lens: `[B]` context length of each sequence, its queries included.
-      block_tables: `[B, M]` physical block of each logical block.
-      sliding_window: attend only to the last `sliding_window` positions (inclusive of self).
-      k_scale, v_scale: `[num_blocks, K, S]` per-(token, head) scales of quantized pages.
+    Same semantics and arguments as `paged_attention_reference`, but where the reference gathers
+    every query row's whole context (T x C pages, quadratic for a prefill chunk), this cuts the
+    rows into per-sequence tiles (`_query_tile`), walks each tile's pages in chunks of ~128 keys
+    with an online softmax (flash attention), and stops at the longest live context instead of the
+    padded block table. It is the CPU path; the reference stays the oracle.
 
     Returns:
       `[T, H, D]` in q's dtype; rows outside every sequence are zero.
@@ -61,32 +88,55 @@ def paged_attention_reference(
     t, h, d = q.shape
     _, kh, s, _ = k_pages.shape
     b, m = block_tables.shape
-    rows = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start[1:], rows, side="right").astype(jnp.int32)  # [T]
-    live_row = rows < query_start[b]
-    seq = jnp.minimum(seq, b - 1)
-    q_len = query_start[seq + 1] - query_start[seq]
-    pos = seq_lens[seq] - q_len + (rows - query_start[seq])  # [T] absolute query position
+    g = h // kh
+    tq = _query_tile(t, b)
+    nt = min(t, t // tq + b)
+    mb = max(1, min(m, _KEYS_PER_CHUNK // s))  # blocks per key chunk
+    n_chunks_max = -(-m // mb)
 
-    table = block_tables[seq]  # [T, M]
-    k = _dequant(k_pages[table], None if k_scale is None else k_scale[table])  # [T, M, K, S, D]
-    v = _dequant(v_pages[table], None if v_scale is None else v_scale[table])
-    k = k.transpose(0, 2, 1, 3, 4).reshape(t, kh, m * s, d)  # [T, K, C, D]
-    v = v.transpose(0, 2, 1, 3, 4).reshape(t, kh, m * s, d)
+    # Tiles: tile n covers rows rows[n] of sequence seq[n] (query offset q0 within it).
+    seq, q0 = tile_schedule(query_start, nt, tq)  # [NT], [NT]
+    q_len = query_start[1:] - query_start[:-1]  # [B]
+    offs = q0[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]  # [NT, tq] query offsets
+    live_row = offs < q_len[seq][:, None]  # [NT, tq]
+    rows = query_start[seq][:, None] + offs  # [NT, tq]
+    pos = seq_lens[seq][:, None] - q_len[seq][:, None] + offs  # [NT, tq] absolute positions
+    qt = q[jnp.minimum(rows, t - 1)].astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    qt = qt.reshape(nt, tq, kh, g, d)
+    table = jnp.pad(block_tables[seq], ((0, 0), (0, n_chunks_max * mb - m)))  # [NT, M']
 
-    key_pos = jnp.arange(m * s, dtype=jnp.int32)  # [C]
-    live = (key_pos[None, :] <= pos[:, None]) & live_row[:, None]  # [T, C]
-    if sliding_window is not None:
-        live &= key_pos[None, :] > pos[:, None] - sliding_window
-    v = jnp.where(live[:, None, :, None], v, 0.0)
+    def chunk(j, carry):  # online softmax over keys j*mb*S .. (j+1)*mb*S - 1
+        mx, denom, acc = carry  # [NT, K, G, tq], [NT, K, G, tq], [NT, K, G, tq, D]
+        blocks = jax.lax.dynamic_slice_in_dim(table, j * mb, mb, axis=1)  # [NT, mb]
+        k = _dequant(k_pages[blocks], None if k_scale is None else k_scale[blocks])
+        v = _dequant(v_pages[blocks], None if v_scale is None else v_scale[blocks])
+        key = j * mb * s + jnp.arange(mb * s, dtype=jnp.int32).reshape(mb, s)  # [mb, S]
+        live = (key <= pos[:, :, None, None]) & live_row[:, :, None, None]  # [NT, tq, mb, S]
+        if sliding_window is not None:
+            live &= key > pos[:, :, None, None] - sliding_window
+        v = jnp.where(jnp.any(live, axis=1)[:, :, None, :, None], v, 0.0)  # NaN-safe
+        scores = jnp.einsum("nqkgd,nmksd->nkgqms", qt, k).reshape(nt, kh, g, tq, mb * s)
+        live = live.reshape(nt, 1, 1, tq, mb * s)
+        scores = jnp.where(live, scores, _MASKED)
+        new_mx = jnp.maximum(mx, scores.max(axis=-1))
+        p = jnp.where(live, jnp.exp(scores - new_mx[..., None]), 0.0)
+        corr = jnp.exp(mx - new_mx)
+        pv = jnp.einsum("nkgqms,nmksd->nkgqd", p.reshape(nt, kh, g, tq, mb, s), v)
+        return new_mx, denom * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
-    qg = q.astype(jnp.float32).reshape(t, kh, h // kh, d)  # [T, K, H/K, D]
-    scores = jnp.einsum("tkgd,tkcd->tkgc", qg, k) / jnp.sqrt(jnp.float32(d))  # [T, K, H/K, C]
-    scores = jnp.where(live[:, None, None, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgc,tkcd->tkgd", probs, v)  # [T, K, H/K, D]
-    out = jnp.where(live_row[:, None, None, None], out, 0.0)
-    return out.reshape(t, h, d).astype(q.dtype)
+    n_chunks = jnp.minimum((jnp.max(seq_lens) + mb * s - 1) // (mb * s), n_chunks_max)
+    init = (
+        jnp.full((nt, kh, g, tq), _MASKED, jnp.float32),
+        jnp.zeros((nt, kh, g, tq), jnp.float32),
+        jnp.zeros((nt, kh, g, tq, d), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [NT, K, G, tq, D]
+    out = jnp.where(live_row[:, None, None, :, None], out, 0.0)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(nt * tq, h, d)
+    dest = jnp.where(live_row, rows, t).reshape(-1)  # dead rows go out of bounds and drop
+    res = jnp.zeros((t, h, d), jnp.float32).at[dest].set(out, mode="drop")
+    return res.astype(q.dtype)
 
 
 def paged_attention(
@@ -104,18 +154,15 @@ def paged_attention(
 ):
     """Ragged paged attention through the chosen backend (see `paged_attention_reference`)."""
     backend = resolve_backend(backend)
+    kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_pages, v_pages, query_start, seq_lens, block_tables)
+    if backend == "xla":
+        return paged_attention_xla(*args, **kw)
     if backend == "reference":
-        return paged_attention_reference(
-            q, k_pages, v_pages, query_start, seq_lens, block_tables,
-            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+        return paged_attention_reference(*args, **kw)
     from pallas_kernels.paged_attention import ragged_paged_attention
 
-    return ragged_paged_attention(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables,
-        sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-        interpret=backend == "pallas-interpret",
-    )  # fmt: skip
+    return ragged_paged_attention(*args, **kw, interpret=backend == "pallas-interpret")
 
 
 def dense_causal_attention(

@@ -20,15 +20,15 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
       x: activations `[..., in]`.
       w: a dense `[in, out]` array or a quantized weight pytree (see `jaxinfer.quant.formats`).
       b: optional bias `[out]`.
-      backend: for quantized weights, "reference" dequantizes and dots in XLA; "pallas" and
-        "pallas-interpret" run the kernels of `pallas_kernels`; "auto" picks Pallas on GPU.
+      backend: for quantized weights, "xla" and "reference" dequantize and dot in XLA; "pallas"
+        and "pallas-interpret" run the kernels of `pallas_kernels`; "auto" picks Pallas on GPU.
 
     Returns:
       `[..., out]` in x's dtype.
     """
     if isinstance(w, jax.Array | jnp.ndarray):
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    elif resolve_backend(backend) != "reference" and isinstance(w, Int4Weight | Int8Weight):
+    elif resolve_backend(backend).startswith("pallas") and isinstance(w, Int4Weight | Int8Weight):
         y = _pallas_linear(x, w, interpret=resolve_backend(backend) == "pallas-interpret")
     elif isinstance(w, Int4Weight):
         y = _int4_linear(x, w)

@@ -503,7 +503,7 @@ def generate(
         distribution) or "coupled" (shared Gumbel noise; token-identical to `ji.generate` with
         the same seeds). Temperature-0 requests are greedy in both modes.
       block_size: tokens per KV block.
-      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       ngram_max: longest suffix the n-gram drafter matches.
 
     Returns:

@@ -24,6 +24,7 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from tests.helpers import ragged_attention_batch, relative_error
 
 AXES = {
     "block_size": (8, 16),
@@ -53,76 +54,6 @@ GRID = (
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
-def _batch(block_size, heads, head_dim, kv_dtype, q_dtype="float32", seed=0):
-    """A NaN-poisoned ragged batch; returns (args, kwargs) of the op."""
-    s = block_size
-    h, kv_heads = heads
-    rng = np.random.default_rng(seed)
-    long = 6 * s + 3
-    contexts = [1, s - 1, 0, s, s + 1, 17, long]
-    q_lens = [1, 5, 0, 1, 5, 17, 17]  # decode, verify, padding, decode, verify, prefill x2
-    b = len(contexts)
-    max_blocks = -(-long // s) + 1  # one spare column of junk in every row
-    blocks_needed = [-(-c // s) for c in contexts]
-    num_blocks = sum(blocks_needed) + 5  # a few physical blocks no sequence uses
-    physical = rng.permutation(num_blocks)
-    block_tables = np.full((b, max_blocks), num_blocks + 1000, np.int32)  # junk: out of range
-    live = np.zeros((num_blocks, s), bool)  # [num_blocks, S] slots inside a live context
-    used = 0
-    for i, (c, nb) in enumerate(zip(contexts, blocks_needed)):
-        block_tables[i, :nb] = physical[used : used + nb]
-        used += nb
-        for t in range(c):
-            live[block_tables[i, t // s], t % s] = True
-    live4 = np.broadcast_to(live[:, None, :, None], (num_blocks, kv_heads, s, head_dim))
-
-    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    num_tokens = int(query_start[-1]) + 3  # three padding rows
-    q = rng.standard_normal((num_tokens, h, head_dim))
-    q[query_start[-1] :] = np.nan
-
-    kw = {}
-    shape = (num_blocks, kv_heads, s, head_dim)
-    if kv_dtype == "int8":
-        k = rng.integers(-127, 128, shape)
-        v = rng.integers(-127, 128, shape)
-        k_scale = rng.uniform(0.5, 1.5, shape[:3]) / 64
-        v_scale = rng.uniform(0.5, 1.5, shape[:3]) / 64
-        k, v = np.where(live4, k, 127), np.where(live4, v, -128)  # int8 has no NaN: junk
-        kw = _scales(k_scale, v_scale, live)
-    elif kv_dtype == "float8_e4m3fn":
-        k = np.where(live4, rng.standard_normal(shape) * 8, np.nan)
-        v = np.where(live4, rng.standard_normal(shape) * 8, np.nan)
-        kw = _scales(rng.uniform(0.1, 0.2, shape[:3]), rng.uniform(0.1, 0.2, shape[:3]), live)
-    else:
-        k = np.where(live4, rng.standard_normal(shape), np.nan)
-        v = np.where(live4, rng.standard_normal(shape), np.nan)
-    page_dtype = q_dtype if kv_dtype == "float32" else kv_dtype
-    args = (
-        jnp.asarray(q, q_dtype),
-        jnp.asarray(k, page_dtype),
-        jnp.asarray(v, page_dtype),
-        jnp.asarray(query_start),
-        jnp.asarray(np.array(contexts, np.int32)),
-        jnp.asarray(block_tables),
-    )
-    return args, kw
-
-
-def _scales(k_scale, v_scale, live):
-    live3 = np.broadcast_to(live[:, None, :], k_scale.shape)
-    return {
-        "k_scale": jnp.asarray(np.where(live3, k_scale, np.nan), jnp.float32),
-        "v_scale": jnp.asarray(np.where(live3, v_scale, np.nan), jnp.float32),
-    }
-
-
-def _err(y, ref) -> float:
-    y = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    return float(np.abs(y - ref).max() / max(1.0, np.abs(ref).max()))
-
-
 def test_attention_grid_is_pairwise():
     names = list(AXES)
     for a, b in itertools.combinations(range(len(names)), 2):
@@ -133,7 +64,9 @@ def test_attention_grid_is_pairwise():
 
 @pytest.mark.parametrize("block_size,heads,head_dim,kv_dtype,window,partitions,block_kv", GRID)
 def test_matches_reference(block_size, heads, head_dim, kv_dtype, window, partitions, block_kv):
-    args, kw = _batch(block_size, heads, head_dim, kv_dtype, seed=head_dim + block_size)
+    args, kw = ragged_attention_batch(
+        block_size, heads, head_dim, kv_dtype, seed=head_dim + block_size
+    )
     sizes = AttentionBlockSizes(block_rows=16, block_kv=block_kv, num_partitions=partitions)
     out = ragged_paged_attention(
         *args, **kw, sliding_window=window, block_sizes=sizes, interpret=True
@@ -145,39 +78,42 @@ def test_matches_reference(block_size, heads, head_dim, kv_dtype, window, partit
     assert np.isfinite(np.asarray(ref)).all()
     n_live = int(args[3][-1])
     assert (out[n_live:] == 0).all()  # padding rows
-    assert _err(out, ref) <= TOL["float32"]
+    assert relative_error(out, ref) <= TOL["float32"]
 
 
 def test_window_is_exact():
     """Negative control for the window: off by one position, the reference is far from the op."""
-    args, kw = _batch(8, (8, 2), 32, "float32", seed=5)
+    args, kw = ragged_attention_batch(8, (8, 2), 32, "float32", seed=5)
     sizes = AttentionBlockSizes(block_kv=16, num_partitions=2)
     out = ragged_paged_attention(*args, sliding_window=6, block_sizes=sizes, interpret=True)
-    assert _err(out, ragged_paged_attention_reference(*args, sliding_window=6)) <= TOL["float32"]
-    assert _err(out, ragged_paged_attention_reference(*args, sliding_window=7)) > 1e-3
-    assert _err(out, ragged_paged_attention_reference(*args)) > 1e-3
+    assert (
+        relative_error(out, ragged_paged_attention_reference(*args, sliding_window=6))
+        <= TOL["float32"]
+    )
+    assert relative_error(out, ragged_paged_attention_reference(*args, sliding_window=7)) > 1e-3
+    assert relative_error(out, ragged_paged_attention_reference(*args)) > 1e-3
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_bfloat16_default_block_sizes(kv_dtype):
-    args, kw = _batch(16, (8, 2), 64, kv_dtype, q_dtype="bfloat16", seed=9)
+    args, kw = ragged_attention_batch(16, (8, 2), 64, kv_dtype, q_dtype="bfloat16", seed=9)
     out = ragged_paged_attention(*args, **kw, interpret=True)  # block sizes from the table
     ref = ragged_paged_attention_reference(*args, **kw)
     assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
-    assert _err(out, ref) <= TOL["bfloat16"]
+    assert relative_error(out, ref) <= TOL["bfloat16"]
 
 
 def test_group_not_power_of_two():
     """H / K = 3 query heads per kv head: the kernel pads the group to 4 and drops the pad."""
-    args, _ = _batch(8, (6, 2), 32, "float32", seed=6)
+    args, _ = ragged_attention_batch(8, (6, 2), 32, "float32", seed=6)
     sizes = AttentionBlockSizes(block_kv=16)
     out = ragged_paged_attention(*args, block_sizes=sizes, interpret=True)
-    assert _err(out, ragged_paged_attention_reference(*args)) <= TOL["float32"]
+    assert relative_error(out, ragged_paged_attention_reference(*args)) <= TOL["float32"]
 
 
 def test_decode_batch_matches_reference():
     """A pure decode batch (T == B) takes the decode row of the table and many partitions."""
-    args, kw = _batch(8, (8, 2), 32, "float32", seed=2)
+    args, kw = ragged_attention_batch(8, (8, 2), 32, "float32", seed=2)
     q, k, v, query_start, seq_lens, tables = args
     live = np.asarray(seq_lens) > 0
     seq_lens = jnp.asarray(np.asarray(seq_lens)[live])
@@ -188,7 +124,7 @@ def test_decode_batch_matches_reference():
     assert default_attention_block_sizes(len(rows), len(rows)).block_rows == 16
     out = ragged_paged_attention(q, k, v, query_start, seq_lens, tables, interpret=True)
     ref = ragged_paged_attention_reference(q, k, v, query_start, seq_lens, tables)
-    assert _err(out, ref) <= TOL["float32"]
+    assert relative_error(out, ref) <= TOL["float32"]
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -224,23 +160,23 @@ def _numpy_loop(q, k_pages, v_pages, query_start, seq_lens, block_tables, window
 
 @pytest.mark.parametrize("kv_dtype,window", [("float32", None), ("int8", 7)])
 def test_reference_against_numpy_loop(kv_dtype, window):
-    args, kw = _batch(8, (8, 2), 32, kv_dtype, seed=4)
+    args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=4)
     ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
     np_args = [np.asarray(a) for a in args]
     ks = None if not kw else np.asarray(kw["k_scale"], np.float64)
     vs = None if not kw else np.asarray(kw["v_scale"], np.float64)
     want = _numpy_loop(*np_args, window, ks, vs)
-    assert _err(ref, want) <= 1e-5
+    assert relative_error(ref, want) <= 1e-5
     # Negative control: the comparison is sensitive to the window it checks.
     other = _numpy_loop(*np_args, 4 if window is None else window + 1, ks, vs)
-    assert _err(ref, other) > 1e-3
+    assert relative_error(ref, other) > 1e-3
 
 
 # ----------------------------------------------------------------------------- validation
 
 
 def _valid():
-    args, _ = _batch(8, (8, 2), 32, "float32")
+    args, _ = ragged_attention_batch(8, (8, 2), 32, "float32")
     return list(args)
 
 
@@ -300,7 +236,7 @@ def test_rejects_bad_inputs(args, kwargs, match):
 )
 def test_lowers_to_triton(kv_dtype, q_dtype, window):
     """Lowers the compiled op for CUDA on this CPU machine (Pallas -> Triton IR, no GPU)."""
-    args, kw = _batch(16, (8, 2), 64, kv_dtype, q_dtype=q_dtype)
+    args, kw = ragged_attention_batch(16, (8, 2), 64, kv_dtype, q_dtype=q_dtype)
 
     def op(*a):
         return ragged_paged_attention(*a, **kw, sliding_window=window)
