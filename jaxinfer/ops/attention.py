@@ -80,7 +80,8 @@ def paged_attention_xla(
     every query row's whole context (T x C pages, quadratic for a prefill chunk), this cuts the
     rows into per-sequence tiles (`_query_tile`), walks each tile's pages in chunks of ~128 keys
     with an online softmax (flash attention), and stops at the longest live context instead of the
-    padded block table. It is the CPU path; the reference stays the oracle.
+    padded block table. Decode-shaped batches (tiles of one row) take the reference's form. It is
+    the CPU path; the reference stays the oracle.
 
     Returns:
       `[T, H, D]` in q's dtype; rows outside every sequence are zero.
@@ -90,6 +91,13 @@ def paged_attention_xla(
     b, m = block_tables.shape
     g = h // kh
     tq = _query_tile(t, b)
+    if tq == 1:
+        # Decode-shaped batch (about one row per sequence): tiles buy nothing, and measured in
+        # the model's layer scan the oracle's one-gather form is faster than the chunk walk.
+        return paged_attention_reference(
+            q, k_pages, v_pages, query_start, seq_lens, block_tables,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     nt = min(t, t // tq + b)
     mb = max(1, min(m, _KEYS_PER_CHUNK // s))  # blocks per key chunk
     n_chunks_max = -(-m // mb)
