@@ -4,7 +4,8 @@ The *declared distribution* of a request is softmax of its logits after temperat
 top-p and min-p, in that order. Sampling is Gumbel-max, `argmax(logits / T + g)` with
 `g ~ Gumbel(0, 1)` drawn from `fold_in(key(seed), position)`: a request's randomness depends only
 on its own seed and the position being sampled, never on its batch neighbours, and speculative
-decoding can reproduce plain sampling exactly by sharing the same noise.
+decoding can reproduce plain sampling exactly by sharing the same noise. The parallel samples
+1..n-1 of an n > 1 request (the engine's forks) fold their `sample_index` in before the position.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+_PAD_ROW = SamplingParams(temperature=0.0)  # padding rows of a SamplingBatch: greedy, seed 0
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
@@ -94,7 +98,7 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], pad_to: int | None = None):
         """Stacks per-request params; padding rows are greedy with seed 0."""
-        rows = list(params) + [SamplingParams(temperature=0.0)] * ((pad_to or 0) - len(params))
+        rows = list(params) + [_PAD_ROW] * ((pad_to or 0) - len(params))
         return cls(
             temperature=np.array([p.temperature for p in rows], np.float32),
             top_k=np.array([p.top_k for p in rows], np.int32),
@@ -147,27 +151,70 @@ def process_logits(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.where(greedy[:, None], logits, x)
 
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """Gumbel(0, 1) noise `[B, V]` from `fold_in(key(seed), position)` per row."""
+def _noise_key(seed: jax.Array, position: jax.Array, sample_index: jax.Array | None) -> jax.Array:
+    """`fold_in(key(seed), position)`; a `sample_index` > 0 is folded in before the position."""
+    key = jax.random.key(seed)
+    if sample_index is not None:
+        key = jax.lax.cond(
+            sample_index > 0, lambda k: jax.random.fold_in(k, sample_index), lambda k: k, key
+        )
+    return jax.random.fold_in(key, position)
 
-    def one(seed, pos):
-        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), pos), (vocab_size,))
 
-    return jax.vmap(one)(seeds, positions)
+def gumbel_noise(
+    seeds: jax.Array,
+    positions: jax.Array,
+    vocab_size: int,
+    sample_index: jax.Array | None = None,
+) -> jax.Array:
+    """Gumbel(0, 1) noise `[B, V]` from `fold_in(key(seed), position)` per row.
+
+    Args:
+      seeds: `[B]` int32 per-row seeds.
+      positions: `[B]` int32 the position each sampled token will occupy.
+      vocab_size: V.
+      sample_index: `[B]` int32 which of its request's n samples each row is; None or 0 gives the
+        key above, an index i > 0 gives `fold_in(fold_in(key(seed), i), position)`, so the
+        parallel samples of one request draw different noise.
+    """
+    _check_sample_index(sample_index, positions)
+
+    def one(seed, pos, index):
+        return jax.random.gumbel(_noise_key(seed, pos, index), (vocab_size,))
+
+    if sample_index is None:
+        return jax.vmap(lambda seed, pos: one(seed, pos, None))(seeds, positions)
+    return jax.vmap(one)(seeds, positions, sample_index)
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, positions: jax.Array) -> jax.Array:
+def _check_sample_index(sample_index: jax.Array | None, positions: jax.Array) -> None:
+    if sample_index is not None and jnp.shape(sample_index) != jnp.shape(positions):
+        raise ValueError(
+            f"sample_index has shape {jnp.shape(sample_index)}, expected one index per row: "
+            f"{jnp.shape(positions)} like positions"
+        )
+
+
+def sample(
+    logits: jax.Array,
+    sb: SamplingBatch,
+    positions: jax.Array,
+    sample_index: jax.Array | None = None,
+) -> jax.Array:
     """Samples one token per row of `logits [B, V]` at sequence `positions [B]` -> `[B]` int32.
 
-    `positions` is the position the sampled token will occupy in its sequence.
+    `positions` is the position the sampled token will occupy in its sequence. `sample_index`
+    (`[B]` int32, optional) selects the noise of the request's i-th parallel sample (see
+    `gumbel_noise`); None or 0 is the noise of `ji.generate`.
     """
+    _check_sample_index(sample_index, positions)
 
     def greedy_only():
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def mixed():
         x = process_logits(logits, sb)
-        g = gumbel_noise(sb.seed, positions, logits.shape[-1])
+        g = gumbel_noise(sb.seed, positions, logits.shape[-1], sample_index)
         sampled = jnp.argmax(x + g, axis=-1)
         return jnp.where(sb.temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
 

@@ -122,3 +122,52 @@ def test_noise_depends_on_seed_and_position_only():
     assert t[0] == t[1]  # same seed and position: same sample
     one = np.asarray(sample(logits[:1], sb.take(jnp.asarray([0])), pos[:1]))
     assert one[0] == t[0]  # independent of batch neighbours
+
+
+def _mixed_batch(rows: int):
+    """Logits and settings of a batch mixing greedy and sampled rows."""
+    logits = jnp.asarray(np.random.RandomState(4).randn(rows, 256), jnp.float32)
+    sps = [
+        SamplingParams(temperature=0) if r % 3 == 0 else SamplingParams(temperature=1.5, seed=r)
+        for r in range(rows)
+    ]
+    return logits, SamplingBatch.from_params(sps), jnp.arange(10, 10 + rows, dtype=jnp.int32)
+
+
+def test_sample_index_zero_is_the_default_noise():
+    logits, sb, pos = _mixed_batch(6)
+    want = np.asarray(sample(logits, sb, pos))
+    got = np.asarray(sample(logits, sb, pos, sample_index=jnp.zeros(6, jnp.int32)))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sample_index_changes_the_noise_of_sampled_rows_only():
+    """Index 1 draws other noise than index 0: over 8 flat-ish sampled rows of 256 tokens the
+    samples cannot all agree (each agrees by chance with probability ~1/256); greedy rows never
+    depend on the index."""
+    logits, sb, pos = _mixed_batch(12)
+    zero = np.asarray(sample(logits, sb, pos, sample_index=jnp.zeros(12, jnp.int32)))
+    one = np.asarray(sample(logits, sb, pos, sample_index=jnp.ones(12, jnp.int32)))
+    greedy = np.arange(12) % 3 == 0
+    np.testing.assert_array_equal(one[greedy], zero[greedy])
+    assert (one[~greedy] != zero[~greedy]).any()
+
+
+@pytest.mark.parametrize("index", [1, 2, 7])
+def test_sample_index_matches_fold_in_construction(index):
+    """Sample i > 0 uses `fold_in(fold_in(key(seed), i), position)`, as the engine's forks
+    always have; built here from jax.random directly."""
+    logits, sb, pos = _mixed_batch(6)
+    got = np.asarray(sample(logits, sb, pos, sample_index=jnp.full(6, index, jnp.int32)))
+    x = process_logits(logits, sb)
+    for r in range(6):
+        key = jax.random.fold_in(jax.random.key(int(sb.seed[r])), index)
+        g = jax.random.gumbel(jax.random.fold_in(key, int(pos[r])), (logits.shape[-1],))
+        want = jnp.argmax(x[r]) if sb.temperature[r] <= 0 else jnp.argmax(x[r] + g)
+        assert got[r] == int(want), f"row {r}"
+
+
+def test_sample_index_shape_is_checked():
+    logits, sb, pos = _mixed_batch(4)
+    with pytest.raises(ValueError, match="sample_index has shape"):
+        sample(logits, sb, pos, sample_index=jnp.zeros(3, jnp.int32))

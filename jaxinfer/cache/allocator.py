@@ -104,7 +104,9 @@ class BlockAllocator:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._hash_fn = default_block_hash if hash_fn is None else hash_fn
 
-        self._refcount = np.zeros(num_blocks, np.int32)  # [num_blocks] tables holding each block
+        # [num_blocks] tables holding each block; a list, since the per-step path reads and
+        # writes single entries (numpy scalar indexing costs more than list indexing).
+        self._refcount = [0] * num_blocks
         self._free: collections.deque[int] = collections.deque(range(1, num_blocks))
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self._tables: dict[int, list[int]] = {}  # seq -> [cdiv(num_slots, S)] physical ids
@@ -191,26 +193,34 @@ class BlockAllocator:
         return needed <= available
 
     def usage(self) -> KVUsage:
-        """Pool occupancy now; a slot of a block shared by several tables counts once."""
-        filled: dict[int, int] = {}
-        for seq_id, table in self._tables.items():
-            n = self._num_slots[seq_id]
-            for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
+        """Pool occupancy now; a slot of a block shared by several tables counts once.
+
+        A block's filled slots are the most any table holding it fills. Every block but a table's
+        last is full (a table has exactly `cdiv(num_slots, S)` blocks), so this walks the last
+        blocks only: O(sequences), not O(blocks), since the engine calls it every step.
+        """
+        S = self.block_size
+        partial: dict[int, list[int]] = {}  # block -> fill in each table it ends partially
+        for seq_id, n in self._num_slots.items():
+            if n % S:
+                partial.setdefault(self._tables[seq_id][-1], []).append(n % S)
+        # A partial block also held as a full one (by a table where it is not last, or is last
+        # and full) counts as full.
+        empty = sum(S - max(f) for b, f in partial.items() if len(f) == self._refcount[b])
         return KVUsage(
             num_total_blocks=self.num_blocks - 1,
             num_used_blocks=self.num_used_blocks,
             num_cached_blocks=len(self._evictable),
             num_free_blocks=len(self._free),
-            num_filled_slots=sum(filled.values()),
-            block_size=self.block_size,
+            num_filled_slots=self.num_used_blocks * S - empty,
+            block_size=S,
         )
 
     def snapshot(self) -> dict:
         """A deep copy of every piece of state, for comparing before and after an operation."""
         return copy.deepcopy(
             {
-                "refcount": self._refcount.tolist(),
+                "refcount": list(self._refcount),
                 "free": list(self._free),
                 "evictable": list(self._evictable),
                 "tables": self._tables,

@@ -13,7 +13,8 @@ contiguous tables of `generate` (`contiguous_block_tables`) or the engine's Bloc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -74,11 +75,12 @@ def build_metadata(
     """
     if not chunks:
         raise ValueError("build_metadata: no sequences to schedule")
-    total = sum(len(c.token_ids) for c in chunks)
-    blocks_needed = max(-(-(c.start_pos + len(c.token_ids)) // block_size) for c in chunks)
-    n_logits = sum(
-        len(c.token_ids) if c.logits == "all" else int(c.logits == "last") for c in chunks
-    )
+    S = block_size
+    q = [len(c.token_ids) for c in chunks]  # [nc] tokens per chunk
+    ends = [c.start_pos + qi for c, qi in zip(chunks, q)]  # [nc] context length after the step
+    total = sum(q)
+    blocks_needed = max(-(-e // S) for e in ends)
+    n_logits = sum(qi if c.logits == "all" else int(c.logits == "last") for c, qi in zip(chunks, q))
     t = num_tokens or bucket(total, 8)
     b = num_seqs or bucket(len(chunks))
     m = max_blocks or bucket(blocks_needed)
@@ -88,45 +90,51 @@ def build_metadata(
             f"build_metadata: batch needs T={total}, B={len(chunks)}, M={blocks_needed}, "
             f"N={n_logits} but was given T={t}, B={b}, M={m}, N={n}"
         )
-    tokens = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
-    slots = np.full(t, NULL_BLOCK * block_size, np.int32)
-    query_start = np.zeros(b + 1, np.int32)
-    seq_lens = np.zeros(b, np.int32)
-    tables = np.full((b, m), NULL_BLOCK, np.int32)
-    logits_indices = np.zeros(n, np.int32)
-    owner = np.full(n, -1, np.int32)
-    row, li = 0, 0
+    # Each array is one np.fromiter over runs collected per chunk (per block for the slots),
+    # rather than numpy calls per chunk or a vectorised pass of many numpy calls: the engine
+    # calls this every step, right after a CPU device step has evicted the host's caches, where
+    # each distinct numpy call costs tens of microseconds.
+    query_start = [0, *itertools.accumulate(q)]  # [nc + 1]
+    slots: list[range] = []  # per (chunk, block touched): the contiguous slots written there
+    table_rows: list[Sequence[int]] = []  # per chunk: its table cut to M, then padding to M
+    logits_rows: list[Sequence[int]] = []  # per chunk: its token rows whose logits are returned
+    owner: list[Sequence[int]] = []  # per chunk: its index, once per returned row
     for i, c in enumerate(chunks):
-        q = len(c.token_ids)
-        if q == 0:
+        start, end, row = c.start_pos, ends[i], query_start[i]
+        if q[i] == 0:
             raise ValueError(f"build_metadata: sequence {i} has no tokens to compute")
-        end = c.start_pos + q
-        if len(c.block_table) * block_size < end:
+        if len(c.block_table) * S < end:
             raise ValueError(
-                f"build_metadata: sequence {i} needs {-(-end // block_size)} blocks for {end} "
+                f"build_metadata: sequence {i} needs {-(-end // S)} blocks for {end} "
                 f"tokens but its block table has {len(c.block_table)}"
             )
-        pos = np.arange(c.start_pos, end, dtype=np.int32)
-        table = np.asarray(c.block_table, np.int32)
-        tokens[row : row + q] = c.token_ids
-        positions[row : row + q] = pos
-        slots[row : row + q] = table[pos // block_size] * block_size + pos % block_size
-        tables[i, : min(len(table), m)] = table[:m]
-        seq_lens[i] = end
+        for j in range(start // S, -(-end // S)):  # position p -> slot table[p // S] * S + p % S
+            offset = int(c.block_table[j]) * S - j * S
+            slots.append(range(offset + max(start, j * S), offset + min(end, (j + 1) * S)))
+        table = c.block_table[:m]
+        table_rows += [table, [NULL_BLOCK] * (m - len(table))]
         if c.logits == "all":
-            logits_indices[li : li + q] = np.arange(row, row + q)
-            owner[li : li + q] = i
-            li += q
+            logits_rows.append(range(row, row + q[i]))
+            owner.append([i] * q[i])
         elif c.logits == "last":
-            logits_indices[li] = row + q - 1
-            owner[li] = i
-            li += 1
-        row += q
-        query_start[i + 1] = row
-    query_start[len(chunks) + 1 :] = row
-    meta = BatchMetadata(tokens, positions, query_start, seq_lens, tables, slots, logits_indices)
-    return meta, owner
+            logits_rows.append([row + q[i] - 1])
+            owner.append([i])
+
+    def padded(runs: Iterable[Iterable[int]], size: int, fill: int = 0) -> np.ndarray:
+        """The runs concatenated, padded with `fill` to `[size]` int32."""
+        values = itertools.chain(itertools.chain.from_iterable(runs), itertools.repeat(fill))
+        return np.fromiter(values, np.int32, size)
+
+    meta = BatchMetadata(
+        tokens=padded((c.token_ids for c in chunks), t),
+        positions=padded((range(c.start_pos, e) for c, e in zip(chunks, ends)), t),
+        query_start=padded([query_start], b + 1, total),
+        seq_lens=padded([ends], b),
+        block_tables=padded(table_rows, b * m, NULL_BLOCK).reshape(b, m),
+        slot_mapping=padded(slots, t, NULL_BLOCK * S),
+        logits_indices=padded(logits_rows, n),
+    )
+    return meta, padded(owner, n, -1)
 
 
 def contiguous_block_tables(num_seqs: int, blocks_per_seq: int) -> np.ndarray:

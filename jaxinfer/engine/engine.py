@@ -18,9 +18,10 @@ place. T (tokens), B (sequences = logits rows = sample rows) and M (blocks per s
 to powers of two, so a run compiles at most once per distinct (T, B, M); `STEP_TRACE_COUNTS`
 counts compilations for tests.
 
-Sampling noise is the one of `ji.generate`, `fold_in(key(seed), position)`, for sample 0 of a
-request, so an n = 1 request gives exactly `ji.generate`'s output; the forks 1..n-1 of an n > 1
-request use `fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
+Sampling is `jaxinfer.sampling.sample` with each row's `sample_index`: sample 0 of a request draws
+the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request gives exactly
+`ji.generate`'s output; the forks 1..n-1 of an n > 1 request use
+`fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from jaxinfer.engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.generate import GenerationOutput, validate_requests
 from jaxinfer.model.decoder import forward
 from jaxinfer.ops.attention import BACKENDS
-from jaxinfer.sampling import SamplingBatch, SamplingParams, process_logits
+from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 STEP_TRACE_COUNTS: collections.Counter = collections.Counter()  # "step" / "copy" -> traces
 
@@ -69,7 +70,7 @@ class EngineConfig:
       enable_chunked_prefill: split prompts across steps and mix them with decodes.
       long_prefill_threshold: with chunked prefill, at most this many prompt tokens of one
         sequence per step; None: no cap.
-      backend: attention backend ("auto", "reference", "pallas", "pallas-interpret").
+      backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       kv_format: KV-cache storage ("float", "int8", "fp8").
       kv_dtype: storage dtype of a "float" cache; None: the model's dtype.
       min_token_bucket: smallest padded T, so the many tiny decode steps share one compilation.
@@ -175,41 +176,6 @@ class _Live:
 # ------------------------------------------------------------------------------------ device
 
 
-def _noise_key(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
-    """`fold_in(key(seed), position)` for sample 0, else with `sample_index` folded in first."""
-    key = jax.random.key(seed)
-    key = jax.lax.cond(
-        sample_index > 0, lambda k: jax.random.fold_in(k, sample_index), lambda k: k, key
-    )
-    return jax.random.fold_in(key, position)
-
-
-def sample_rows(
-    logits: jax.Array, sb: SamplingBatch, positions: jax.Array, sample_index: jax.Array
-) -> jax.Array:
-    """`jaxinfer.sampling.sample` with per-sample noise: `logits [R, V]` -> tokens `[R]` int32.
-
-    Args:
-      logits: one row per sampled token.
-      sb: the rows' sampling settings.
-      positions: `[R]` the position each sampled token will occupy.
-      sample_index: `[R]` the sample of its request each row belongs to (0 .. n-1).
-    """
-    v = logits.shape[-1]
-
-    def greedy_only():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def mixed():
-        x = process_logits(logits, sb)  # [R, V]
-        keys = jax.vmap(_noise_key)(sb.seed, sample_index, positions)  # [R]
-        g = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)  # [R, V]
-        sampled = jnp.argmax(x + g, axis=-1)
-        return jnp.where(sb.temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
-
-    return jax.lax.cond(jnp.all(sb.temperature <= 0), greedy_only, mixed)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
 def _step(
     params: dict,
@@ -225,7 +191,7 @@ def _step(
 ) -> tuple[jax.Array, PagedKVCache]:
     STEP_TRACE_COUNTS["step"] += 1
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
-    tokens = sample_rows(logits[sample_src], sb, sample_pos, sample_index)  # [B]
+    tokens = sample(logits[sample_src], sb, sample_pos, sample_index)  # [B]
     return tokens, cache
 
 
@@ -247,6 +213,13 @@ def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, i
         groups[-1].append((src, dst))
         written.add(dst)
     return groups
+
+
+def _padded(values: list[int], n: int) -> np.ndarray:
+    """`values` zero-padded to `[n]` int32."""
+    out = np.zeros(n, np.int32)
+    out[: len(values)] = values
+    return out
 
 
 def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
@@ -390,14 +363,15 @@ class Engine:
         now = self.clock()
         self.num_steps += 1
 
-        stream, per_request = [], collections.Counter()
+        stream: list[StreamOutput] = []
+        per_request: dict[Hashable, int] = {}  # request -> tokens this step
         for o in outs:
             live = self._live[o.request_id]
             j = self._sample_index[o.seq_id]
             live.tokens[j].extend(o.new_token_ids)
             reason = o.finish_reason.value if o.finished else None
             live.reasons[j] = reason
-            per_request[o.request_id] += len(o.new_token_ids)
+            per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
             stream.append(
                 StreamOutput(
                     o.request_id, j, list(o.new_token_ids), o.finished, reason, o.request_finished
@@ -459,27 +433,23 @@ class Engine:
         meta, owner = build_metadata(
             chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b
         )
-        row_of = {int(c): r for r, c in enumerate(owner) if c >= 0}  # chunk -> logits row
-        src = np.zeros(b, np.int32)
-        pos = np.zeros(b, np.int32)
-        index = np.zeros(b, np.int32)
-        sps, ids = [], []
-        for i, s in enumerate(seqs):
-            for sid in s.sample_seq_ids:
-                k = len(ids)
-                src[k] = row_of[i]
-                pos[k] = s.start_pos + len(s.token_ids)
-                index[k] = self._sample_index[sid]
-                sps.append(self._live[s.request_id].sampling)
-                ids.append(sid)
+        # One sample row per sampled sequence id: the logits row of its chunk, the position its
+        # token will occupy, its sample index and its request's settings.
+        row_of = {c: r for r, c in enumerate(owner.tolist()) if c >= 0}  # chunk -> logits row
+        rows = [(i, sid) for i, s in enumerate(seqs) for sid in s.sample_seq_ids]  # [R]
+        ids = [sid for _, sid in rows]
+        src = _padded([row_of[i] for i, _ in rows], b)
+        pos = _padded([seqs[i].start_pos + len(seqs[i].token_ids) for i, _ in rows], b)
+        index = _padded([self._sample_index[sid] for sid in ids], b)
+        sps = [self._live[seqs[i].request_id].sampling for i, _ in rows]
         sb = SamplingBatch.from_params(sps, pad_to=b)
         self.step_shapes[(t, b, m)] += 1
         tokens, self.cache = _step(
             self.params, self.cache, meta, src, sb, pos, index,
             cfg=self.cfg, backend=cfg.backend,
         )  # fmt: skip
-        tokens = np.asarray(jax.device_get(tokens))  # [B] the only device -> host transfer
-        return {sid: [int(tokens[k])] for k, sid in enumerate(ids)}
+        tokens = np.asarray(tokens).tolist()  # [B] the only device -> host transfer
+        return {sid: [tok] for sid, tok in zip(ids, tokens)}
 
     # ------------------------------------------------------------------------ batch API
 

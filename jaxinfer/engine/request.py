@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import numbers
 from collections.abc import Hashable
 from collections.abc import Sequence as SequenceABC
@@ -94,7 +95,7 @@ class Request:
     def max_tokens(self) -> int:
         return int(self.sampling_params.max_tokens)
 
-    @property
+    @functools.cached_property  # read for every sampled token; sampling_params is not mutated
     def stop_token_ids(self) -> frozenset[int]:
         stop = self.sampling_params.stop_token_ids
         return frozenset() if stop is None else frozenset(int(t) for t in stop)

@@ -363,15 +363,18 @@ class Scheduler:
             raise ValueError("update() needs the Schedule returned by the last schedule() call")
         live = [s for s in schedule.seqs if self._is_live(s.seq_id)]
         expected = {sid for s in live for sid in s.sample_seq_ids}
-        all_sampling = {sid for s in schedule.seqs for sid in s.sample_seq_ids}
-        missing = sorted(expected - set(sampled))
-        unexpected = sorted(set(sampled) - all_sampling)
-        empty = sorted(sid for sid in expected & set(sampled) if len(sampled[sid]) == 0)
-        if missing or unexpected or empty:
-            raise ValueError(
-                f"sampled tokens must cover exactly the sampling sequences of the schedule: "
-                f"missing {missing}, unexpected {unexpected}, empty {empty}"
-            )
+        # The usual step gets exactly the expected ids; anything else gets the full check.
+        if sampled.keys() != expected or not all(len(t) for t in sampled.values()):
+            all_sampling = {sid for s in schedule.seqs for sid in s.sample_seq_ids}
+            got = set(sampled)
+            missing = sorted(expected - got)
+            unexpected = sorted(got - all_sampling)
+            empty = sorted(sid for sid in expected & got if len(sampled[sid]) == 0)
+            if missing or unexpected or empty:
+                raise ValueError(
+                    f"sampled tokens must cover exactly the sampling sequences of the schedule: "
+                    f"missing {missing}, unexpected {unexpected}, empty {empty}"
+                )
         self._pending = None
 
         outputs: list[SeqOutput] = []
