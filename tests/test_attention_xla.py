@@ -3,8 +3,7 @@
 The batches are the NaN-poisoned ones of the kernel tests (`ragged_attention_batch`): any key,
 value or scale outside a live context that leaked into the output would make it NaN. Extra
 padding rows change T / B and with it the query tile `_query_tile` picks, so the same batch is
-checked with tiles of 4, 8 and 16 rows. Decode-shaped batches (tiles of one row) take the
-oracle's own form, which the kernel tests check against a float64 loop.
+checked with tiles of 4, 8 and 16 rows, and a pure decode batch with tiles of one row.
 """
 
 import jax.numpy as jnp
@@ -58,7 +57,7 @@ def test_tiles_cover_several_sizes():
     args, _ = ragged_attention_batch(8, (8, 2), 32, "float32")
     t, b = args[0].shape[0], args[4].shape[0]
     assert sorted({_query_tile(t + e, b) for e in (0, 40, 200)}) == [4, 8, 16]
-    assert _query_tile(32, 32) == 1  # decode: one row per tile (the oracle's form)
+    assert _query_tile(32, 32) == 1  # decode: one row per tile
     assert _query_tile(256, 1) >= 16  # a prefill chunk: big tiles
 
 
@@ -74,6 +73,46 @@ def test_tile_bound_holds():
         )
         tq = _query_tile(t, b)
         assert int(np.sum(-(-q_lens // tq))) <= min(t, t // tq + b)
+
+
+def _decode_batch(kv_dtype, seed):
+    """The last query of each live sequence of the poisoned batch: T == B, tiles of one row."""
+    args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=seed)
+    q, k, v, query_start, seq_lens, tables = args
+    live = np.asarray(seq_lens) > 0
+    rows = np.asarray(query_start)[1:][live] - 1
+    args = (
+        q[rows], k, v, jnp.arange(len(rows) + 1, dtype=jnp.int32),
+        jnp.asarray(np.asarray(seq_lens)[live]), jnp.asarray(np.asarray(tables)[live]),
+    )  # fmt: skip
+    return args, kw
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_decode_batch(kv_dtype):
+    args, kw = _decode_batch(kv_dtype, seed=2)
+    assert _query_tile(args[0].shape[0], args[4].shape[0]) == 1
+    out = paged_attention_xla(*args, **kw)
+    assert relative_error(out, paged_attention_reference(*args, **kw)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_layer_index_reads_that_layer(backend, kv_dtype):
+    """`layer=l` over stacked `[L, ...]` pages equals the op on layer l's pages alone."""
+    for extra_rows in (0, 40):  # decode-sized and prefill-sized tiles
+        args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=11)
+        args = _pad_rows(args, extra_rows)
+        q, k, v, *meta = args
+        # Three layers: the wanted one in the middle, NaN / junk layers around it.
+        junk = jnp.full_like(k, 7 if kv_dtype == "int8" else jnp.nan)
+        k3, v3 = jnp.stack([junk, k, junk]), jnp.stack([junk, v, junk])
+        kw3 = {n: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
+               for n, x in kw.items()}  # fmt: skip
+        out = paged_attention(q, k3, v3, *meta, **kw3, layer=jnp.int32(1), backend=backend)
+        ref = paged_attention_reference(*args, **kw)
+        assert np.isfinite(np.asarray(out)).all()
+        assert relative_error(out, ref) <= 1e-5
 
 
 def test_window_is_exact():

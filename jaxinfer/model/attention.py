@@ -42,18 +42,17 @@ def paged_attention_block(
     """One layer's attention over the ragged batch: `h [T, E]` -> (`[T, E]`, cache)."""
     q, k, v = project_qkv(h, lp, cfg, batch.positions, backend)  # [T,H,D], [T,K,D], [T,K,D]
     cache = write_kv(cache, layer, k, v, batch.slot_mapping)
-    k_scale = None if cache.k_scale is None else cache.k_scale[layer]
-    v_scale = None if cache.v_scale is None else cache.v_scale[layer]
     out = paged_attention(
         q,
-        cache.k[layer],  # [num_blocks, K, S, D]
-        cache.v[layer],
+        cache.k,  # [L, num_blocks, K, S, D]: the op reads layer `layer` without slicing it out
+        cache.v,
         batch.query_start,
         batch.seq_lens,
         batch.block_tables,
         sliding_window=cfg.sliding_window,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        layer=layer,
         backend=backend,
     )  # [T, H, D]
     t = h.shape[0]

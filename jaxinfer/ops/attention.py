@@ -38,10 +38,11 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _dequant(pages, scale):
-    if scale is None:
-        return pages.astype(jnp.float32)
-    return pages.astype(jnp.float32) * scale[..., None]
+def _read_pages(pages, scale, blocks, layer):
+    """Pages `blocks` (of layer `layer` when given) in float32, dequantized by their scales."""
+    idx = blocks if layer is None else (layer, blocks)
+    x = pages[idx].astype(jnp.float32)
+    return x if scale is None else x * scale[idx][..., None]
 
 
 def _query_tile(num_tokens: int, num_seqs: int) -> int:
@@ -73,6 +74,7 @@ def paged_attention_xla(
     sliding_window: int | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention in plain XLA, organised like the Pallas kernel.
 
@@ -80,24 +82,22 @@ def paged_attention_xla(
     every query row's whole context (T x C pages, quadratic for a prefill chunk), this cuts the
     rows into per-sequence tiles (`_query_tile`), walks each tile's pages in chunks of ~128 keys
     with an online softmax (flash attention), and stops at the longest live context instead of the
-    padded block table. Decode-shaped batches (tiles of one row) take the reference's form. It is
-    the CPU path; the reference stays the oracle.
+    padded block table. It is the CPU path; the reference stays the oracle.
+
+    Args:
+      layer: optional scalar layer index. With it, `k_pages`/`v_pages` (and the scales) hold every
+        layer, `[L, num_blocks, K, S, D]`, and each chunk gathers straight from layer `layer`:
+        a slice `cache.k[layer]` taken inside the model's layer scan would be copied whole into
+        the chunk loop, a cost that grows with the cache, not the batch.
 
     Returns:
       `[T, H, D]` in q's dtype; rows outside every sequence are zero.
     """
     t, h, d = q.shape
-    _, kh, s, _ = k_pages.shape
+    kh, s = k_pages.shape[-3], k_pages.shape[-2]
     b, m = block_tables.shape
     g = h // kh
     tq = _query_tile(t, b)
-    if tq == 1:
-        # Decode-shaped batch (about one row per sequence): tiles buy nothing, and measured in
-        # the model's layer scan the oracle's one-gather form is faster than the chunk walk.
-        return paged_attention_reference(
-            q, k_pages, v_pages, query_start, seq_lens, block_tables,
-            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
     nt = min(t, t // tq + b)
     mb = max(1, min(m, _KEYS_PER_CHUNK // s))  # blocks per key chunk
     n_chunks_max = -(-m // mb)
@@ -116,8 +116,8 @@ def paged_attention_xla(
     def chunk(j, carry):  # online softmax over keys j*mb*S .. (j+1)*mb*S - 1
         mx, denom, acc = carry  # [NT, K, G, tq], [NT, K, G, tq], [NT, K, G, tq, D]
         blocks = jax.lax.dynamic_slice_in_dim(table, j * mb, mb, axis=1)  # [NT, mb]
-        k = _dequant(k_pages[blocks], None if k_scale is None else k_scale[blocks])
-        v = _dequant(v_pages[blocks], None if v_scale is None else v_scale[blocks])
+        k = _read_pages(k_pages, k_scale, blocks, layer)  # [NT, mb, K, S, D] float32
+        v = _read_pages(v_pages, v_scale, blocks, layer)
         key = j * mb * s + jnp.arange(mb * s, dtype=jnp.int32).reshape(mb, s)  # [mb, S]
         live = (key <= pos[:, :, None, None]) & live_row[:, :, None, None]  # [NT, tq, mb, S]
         if sliding_window is not None:
@@ -158,14 +158,26 @@ def paged_attention(
     sliding_window=None,
     k_scale=None,
     v_scale=None,
+    layer=None,
     backend: str = "auto",
 ):
-    """Ragged paged attention through the chosen backend (see `paged_attention_reference`)."""
+    """Ragged paged attention through the chosen backend (see `paged_attention_reference`).
+
+    With `layer`, the pages and scales hold every layer (see `paged_attention_xla`); the XLA
+    backend reads that layer in place, the others take the slice.
+    """
     backend = resolve_backend(backend)
+    if backend == "xla":
+        return paged_attention_xla(
+            q, k_pages, v_pages, query_start, seq_lens, block_tables,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, layer=layer,
+        )  # fmt: skip
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        k_scale = None if k_scale is None else k_scale[layer]
+        v_scale = None if v_scale is None else v_scale[layer]
     kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, query_start, seq_lens, block_tables)
-    if backend == "xla":
-        return paged_attention_xla(*args, **kw)
     if backend == "reference":
         return paged_attention_reference(*args, **kw)
     from pallas_kernels.paged_attention import ragged_paged_attention
