@@ -1,0 +1,153 @@
+r"""Attention backends inside the model step, on engine-shaped batches: XLA path against oracle.
+
+    python experiments/attention_bench.py --workdir=runs/attention_bench
+    python experiments/attention_bench.py --backends=xla,reference,pallas   # on a GPU
+
+Times one jitted `forward` step (cache donated, as the engine runs it) of the shipped target on
+batches shaped like the engine's: B = --num_seqs sequence rows and M = --max_blocks blocks per
+sequence fixed, with
+
+  decode      every row a decode (q_len 1) at context --context;
+  decode_low  a quarter of the rows live (a lightly loaded server; the rest are padding);
+  mixed       one prefill chunk of --chunk tokens plus decodes in the other rows;
+  prefill     a single prompt of --prompt tokens (`ji.generate`'s prefill shape);
+
+each at every --cache_blocks (the size of the KV pool: a backend that copies a layer's pages per
+step gets slower as the pool grows, one that reads in place does not). Medians of --reps steps
+after a warm-up; the backends of one row alternate step by step so the ratio is measured under
+the same load. Prints a table and writes results.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import jaxinfer as ji
+from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.model.decoder import forward
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
+_MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF dir.")
+_BACKENDS = flags.DEFINE_list("backends", ["xla", "reference"], "Backends; the first is timed "
+                              "against the second.")  # fmt: skip
+_CACHE_BLOCKS = flags.DEFINE_list(
+    "cache_blocks", ["1025", "8193"], "KV pool sizes in blocks (raised to what a batch needs)."
+)
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "B: sequence rows of a step.")
+_MAX_BLOCKS = flags.DEFINE_integer("max_blocks", 32, "M: blocks per sequence row.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "S: tokens per block.")
+_CONTEXT = flags.DEFINE_integer("context", 300, "Context of each decoding sequence.")
+_CHUNK = flags.DEFINE_integer("chunk", 128, "Prefill chunk of the mixed batch.")
+_PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt of the prefill batch.")
+_REPS = flags.DEFINE_integer("reps", 30, "Timed steps per backend (median reported).")
+
+
+def _batches(b: int, m: int, s: int) -> dict:
+    """name -> (chunks, T): sequence chunks over disjoint random blocks of the first pool."""
+    ctx, chunk, prompt = _CONTEXT.value, _CHUNK.value, _PROMPT.value
+    specs = {
+        "decode": [(ctx, 1)] * b,
+        "decode_low": [(ctx, 1)] * max(1, b // 4),
+        "mixed": [(0, chunk)] + [(ctx, 1)] * (b - 1),
+        "prefill": [(0, prompt)],
+    }
+    rng = np.random.RandomState(0)
+    out = {}
+    for name, spec in specs.items():
+        need = [-(-(start + q) // s) for start, q in spec]
+        if max(need) > m:
+            raise ValueError(f"{name}: a sequence needs {max(need)} blocks > --max_blocks={m}")
+        blocks = 1 + rng.permutation(sum(need))  # block 0 is the null block
+        chunks, used = [], 0
+        for (start, q), n in zip(spec, need):
+            chunks.append(SeqChunk([5] * q, start, blocks[used : used + n].tolist()))
+            used += n
+        tokens = sum(q for _, q in spec)
+        out[name] = (chunks, bucket(tokens, 16), 1 + sum(need))
+    return out
+
+
+def _time_row(cfg, params, chunks, t, b, m, num_blocks, backends) -> dict:
+    s = _BLOCK_SIZE.value
+    meta, _ = build_metadata(chunks, s, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b)
+    meta = ji.BatchMetadata(*(jnp.asarray(x) for x in meta.__dict__.values()))
+    steps, caches = {}, {}
+    for be in backends:
+        steps[be] = jax.jit(
+            functools.partial(forward, cfg=cfg, backend=be), donate_argnames=("cache",)
+        )
+        caches[be] = ji.init_cache(cfg, num_blocks, s)
+        for _ in range(2):  # compile, warm up
+            logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
+        logits.block_until_ready()
+    times = {be: [] for be in backends}
+    for _ in range(_REPS.value):
+        for be in backends:  # alternate, so both see the same background load
+            t0 = time.perf_counter()
+            logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
+            logits.block_until_ready()
+            times[be].append(time.perf_counter() - t0)
+    return {be: 1e3 * statistics.median(v) for be, v in times.items()}
+
+
+def main(argv):
+    del argv
+    backends = [ji.ops.resolve_backend(be) for be in _BACKENDS.value]
+    model = _MODEL.value
+    path = model if os.path.isdir(model) else ji.models.path(model)
+    cfg, params = ji.load_checkpoint(path)
+    b, m, s = _NUM_SEQS.value, _MAX_BLOCKS.value, _BLOCK_SIZE.value
+    rows = []
+    for name, (chunks, t, min_blocks) in _batches(b, m, s).items():
+        for pool in map(int, _CACHE_BLOCKS.value):
+            pool = max(pool, min_blocks)
+            ms = _time_row(cfg, params, chunks, t, b, m, pool, backends)
+            row = {"batch": name, "T": t, "B": b, "M": m, "cache_blocks": pool, "ms": ms}
+            row["ratio"] = ms[backends[1]] / ms[backends[0]] if len(backends) > 1 else None
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    head = " | ".join(f"{be} ms" for be in backends)
+    print(f"\n| batch | T | cache blocks | {head} | {backends[-1]} / {backends[0]} |")
+    print("|---|---|---|" + "---|" * len(backends) + "---|")
+    for r in rows:
+        cells = " | ".join(f"{r['ms'][be]:.2f}" for be in backends)
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        print(f"| {r['batch']} | {r['T']} | {r['cache_blocks']} | {cells} | {ratio} |")
+    if _WORKDIR.value:
+        os.makedirs(_WORKDIR.value, exist_ok=True)
+        result = {
+            "model": model,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
+            f"({jax.default_backend()})",
+            "flags": {
+                k: flags.FLAGS[k].value
+                for k in (
+                    "backends",
+                    "cache_blocks",
+                    "num_seqs",
+                    "max_blocks",
+                    "block_size",
+                    "context",
+                    "chunk",
+                    "prompt",
+                    "reps",
+                )
+            },  # fmt: skip
+            "rows": rows,
+        }
+        with open(os.path.join(_WORKDIR.value, "results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
