@@ -4,8 +4,9 @@ r"""Pallas kernel benchmark: correctness first, then timings (GPU only).
     python experiments/kernel_bench.py --workdir=/tmp/kb --int4_m=1,16 --contexts=4096 --batches=1
 
 1. Correctness on a small grid: int4 / int8 / W8A8 matmuls and NaN-poisoned ragged paged
-   attention against their pure-jnp references, and on a GPU also compiled against interpret
-   mode. On CPU only this part runs (in interpret mode): timings need a GPU.
+   attention (also reading one layer of a stacked cache, `layer=`) against their pure-jnp
+   references, and on a GPU also compiled against interpret mode. On CPU only this part runs
+   (in interpret mode): timings need a GPU.
 2. Bandwidth ceiling: a device-to-device stream (y = x + 1 over --copy_mib MiB; read + write).
 3. int4 matmul (group 128) at M in --int4_m on the Llama-2-7B shapes 4096x4096, 4096x11008,
    11008x4096, against a bf16 `jnp.dot` on the dense weight in the same run: time, achieved GB/s
@@ -132,6 +133,19 @@ def _attention_batch(rng, kv_dtype, q_dtype, s=16, heads=(8, 2), d=64):
     return args, kw
 
 
+def _stack_layers(args, kw, layer, num_layers=3):
+    """The batch's pages as layer `layer` of a stacked `[L, num_blocks, ...]` cache; the other
+    layers are NaN (junk with NaN scales for int8), so reading any of them shows as non-finite."""
+    q, k, v, *meta = args
+
+    def stack(x, fill):
+        return jnp.stack([x if i == layer else jnp.full_like(x, fill) for i in range(num_layers)])
+
+    junk = 127 if k.dtype == jnp.int8 else jnp.nan
+    stacked_kw = {name: stack(scale, jnp.nan) for name, scale in kw.items()}
+    return (q, stack(k, junk), stack(v, junk), *meta), stacked_kw
+
+
 def _rel_err(y, ref) -> float:
     y = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
     ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
@@ -144,8 +158,10 @@ def _run_int4(args, group, perm, interpret):
     return int4_matmul(*args, group_size=group, perm=perm, interpret=interpret)
 
 
-def _run_attention(args, kw, window, interpret):
-    return ragged_paged_attention(*args, **kw, sliding_window=window, interpret=interpret)
+def _run_attention(args, kw, window, interpret, layer=None):
+    return ragged_paged_attention(
+        *args, **kw, sliding_window=window, layer=layer, interpret=interpret
+    )
 
 
 def check_correctness(on_gpu: bool) -> list[dict]:
@@ -191,6 +207,12 @@ def check_correctness(on_gpu: bool) -> list[dict]:
         ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
         name = f"attention kv={kv_dtype} q={q_dtype} window={window}"
         cases.append((name, run, ref, tol[q_dtype]))
+    # The model's layer scan: layer 1 of a stacked 3-layer cache, read in place.
+    args, kw = _attention_batch(rng, "int8", "float32")
+    stacked_args, stacked_kw = _stack_layers(args, kw, layer=1)
+    run = functools.partial(_run_attention, stacked_args, stacked_kw, 20, layer=jnp.int32(1))
+    ref = ragged_paged_attention_reference(*args, **kw, sliding_window=20)
+    cases.append(("attention kv=int8 q=float32 window=20 layer=1 of 3", run, ref, tol["float32"]))
 
     rows = []
     for name, run, ref, tolerance in cases:

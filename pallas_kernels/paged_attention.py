@@ -7,6 +7,10 @@ Inputs (one layer):
   seq_lens      [B] int32               context length of sequence b, its own queries included
   block_tables  [B, M] int32            logical block j of sequence b is physical block [b, j]
   k/v_scale     [num_blocks, K, S] f32  optional per-(token, head) scales of int8 / fp8 pages
+or, with a scalar `layer`, every layer's pages `[L, num_blocks, K, S, D]` (scales
+`[L, num_blocks, K, S]`), of which the kernel reads layer `layer` in place. The model's layer scan
+holds the cache stacked; slicing `cache.k[layer]` there and handing the slice to the kernel would
+copy the whole layer's cache every layer of every step.
 
 Semantics: query i of sequence b (q_len queries) sits at position p = seq_lens[b] - q_len + i and
 attends to key positions 0..p (and >= p - sliding_window + 1 with a window); the key at
@@ -19,7 +23,7 @@ How the kernel is laid out (grid = (query tiles, kv heads, KV partitions)):
   * Query tiles. The host-side wrapper cuts each sequence's queries into tiles of `bq` tokens
     (`tile_schedule`, plain jnp) and hands the kernel, per tile, its sequence and first query
     as ordinary int32 inputs: Triton has no scalar prefetch, so all metadata (tile schedule,
-    query_start, seq_lens, block_tables) is read inside the kernel from ordinary refs.
+    query_start, seq_lens, block_tables, layer) is read inside the kernel from ordinary refs.
   * GQA. A program owns one kv head and all its G = H / K query heads: the tile is
     bq tokens x G heads = `block_rows` rows, so each page is read once per tile, not G times.
   * Flash-decoding. The context is split into partitions of whole `block_kv` steps; each
@@ -143,12 +147,13 @@ def _paged_attention_kernel(
     query_start_ref,  # [B+1] int32
     seq_lens_ref,  # [B] int32
     block_tables_ref,  # [B, M] int32
-    # tensors (kv head axis squeezed by the BlockSpecs)
+    layer_ref,  # [1] int32 layer to read, or None for one layer's pages
+    # tensors (kv head axis squeezed by the BlockSpecs; [L] leads the pages with layer_ref)
     q_ref,  # [T, Gp, D]
-    k_ref,  # [num_blocks, S, D]
-    v_ref,  # [num_blocks, S, D]
-    k_scale_ref,  # [num_blocks, S] float32, or None
-    v_scale_ref,  # [num_blocks, S] float32, or None
+    k_ref,  # [num_blocks, S, D] or [L, num_blocks, S, D]
+    v_ref,  # [num_blocks, S, D] or [L, num_blocks, S, D]
+    k_scale_ref,  # [num_blocks, S] or [L, num_blocks, S] float32, or None
+    v_scale_ref,  # [num_blocks, S] or [L, num_blocks, S] float32, or None
     # outputs of this (kv head, partition)
     o_ref,  # [T, Gp, D] float32  partition output, normalized by its own softmax sum
     lse_ref,  # [T, Gp] float32    partition log-sum-exp (_MASK when it saw no key)
@@ -160,7 +165,7 @@ def _paged_attention_kernel(
     bq, gp, bkv = plan.tile_tokens, plan.group_pad, plan.block_kv
     rows = bq * gp
     head_dim = q_ref.shape[-1]
-    block_size = k_ref.shape[1]
+    block_size = k_ref.shape[-2]
     max_blocks = block_tables_ref.shape[1]
     pages_per_step = bkv // block_size
 
@@ -186,10 +191,13 @@ def _paged_attention_kernel(
     end = jnp.minimum((part + 1) * plan.partition_tokens, hi)
     num_steps = (jnp.maximum(end - start, 0) + bkv - 1) // bkv
 
+    layer = None if layer_ref is None else layer_ref[0]
+
     def load_pages(pages_ref, scale_ref, phys, live):  # -> [bkv, D] in q's dtype
-        x = pages_ref[phys].reshape(bkv, head_dim)  # [pages, S, D] gathered -> [bkv, D]
+        idx = phys if layer is None else (layer, phys)  # straight from the stacked cache
+        x = pages_ref[idx].reshape(bkv, head_dim)  # [pages, S, D] gathered -> [bkv, D]
         if scale_ref is not None:  # int8 / fp8: dequantize in float32
-            x = x.astype(jnp.float32) * scale_ref[phys].reshape(bkv, 1)
+            x = x.astype(jnp.float32) * scale_ref[idx].reshape(bkv, 1)
         return jnp.where(live[:, None], x.astype(q.dtype), 0)  # NaN-free outside the context
 
     def body(step, carry):
@@ -244,11 +252,12 @@ def _paged_attention_pallas_call(
     query_start,  # [B+1] int32
     seq_lens,  # [B] int32
     block_tables,  # [B, M] int32
+    layer,  # [1] int32 or None
     q,  # [T, K, Gp, D]
-    k_pages,  # [num_blocks, K, S, D]
-    v_pages,  # [num_blocks, K, S, D]
-    k_scale,  # [num_blocks, K, S] float32 or None
-    v_scale,  # [num_blocks, K, S] float32 or None
+    k_pages,  # [num_blocks, K, S, D], or [L, num_blocks, K, S, D] with layer
+    v_pages,  # same as k_pages
+    k_scale,  # k_pages' shape without D, float32; or None
+    v_scale,  # same as k_scale
     *,
     plan: _Plan,
     sliding_window: int | None,
@@ -256,13 +265,15 @@ def _paged_attention_pallas_call(
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:  # [P, T, K, Gp, D], [P, T, K, Gp] float32
     t, kv_heads, gp, d = q.shape
-    num_blocks, _, block_size, _ = k_pages.shape
+    block_size = k_pages.shape[-2]
+    lead = k_pages.shape[:-3]  # (num_blocks,) or (L, num_blocks): whole in every program
+    zeros = (0,) * len(lead)
 
     def whole(x):  # the whole (small) array in every program
         return pl.BlockSpec(x.shape, lambda i, h, p: (0,) * x.ndim)
 
-    pages_spec = pl.BlockSpec((num_blocks, None, block_size, d), lambda i, h, p: (0, h, 0, 0))
-    scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h, p: (0, h, 0))
+    pages_spec = pl.BlockSpec((*lead, None, block_size, d), lambda i, h, p: (*zeros, h, 0, 0))
+    scale_spec = pl.BlockSpec((*lead, None, block_size), lambda i, h, p: (*zeros, h, 0))
     grid = (plan.num_tiles, kv_heads, plan.num_partitions)
     return pl.pallas_call(
         functools.partial(_paged_attention_kernel, plan=plan, sliding_window=sliding_window),
@@ -277,6 +288,7 @@ def _paged_attention_pallas_call(
             whole(query_start),
             whole(seq_lens),
             whole(block_tables),
+            None if layer is None else whole(layer),
             pl.BlockSpec((t, None, gp, d), lambda i, h, p: (0, h, 0, 0)),
             pages_spec,
             pages_spec,
@@ -292,7 +304,10 @@ def _paged_attention_pallas_call(
         ),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(tile_seq, tile_q0, query_start, seq_lens, block_tables, q, k_pages, v_pages, k_scale, v_scale)
+    )(
+        tile_seq, tile_q0, query_start, seq_lens, block_tables, layer, q, k_pages, v_pages,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 def tile_schedule(query_start: jax.Array, num_tiles: int, tile_tokens: int):
@@ -324,16 +339,36 @@ def _combine_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- public op
 
 
-def _check_inputs(q, k_pages, v_pages, query_start, seq_lens, block_tables, window, ks, vs):
+def _resolve_layer(layer, num_layers: int) -> jax.Array:
+    """jnp's rule for a traced index (negative counts from the end, then clamp): the kernel
+    reads the layer `pages[layer]` would, and never outside the cache."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
+
+
+def _check_layer(layer):
+    if layer is None:
+        return
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"layer has shape {jnp.shape(layer)}; expected a scalar integer or None")
+    dtype = jnp.result_type(layer)
+    if not jnp.issubdtype(dtype, jnp.integer):  # bool included: it is no layer index
+        raise ValueError(f"layer has dtype {dtype}; expected a scalar integer or None")
+
+
+def _check_inputs(q, k_pages, v_pages, query_start, seq_lens, block_tables, window, ks, vs, layer):
     if q.ndim != 3 or q.dtype not in _QUERY_DTYPES:
         raise ValueError(f"q has shape {q.shape}, dtype {q.dtype}; expected float [T, H, D]")
     t, h, d = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    _check_layer(layer)
+    stacked = layer is not None  # pages of every layer, [L] in front
+    layout = "[L, num_blocks, K, S, D] (layer given)" if stacked else "[num_blocks, K, S, D]"
+    if k_pages.ndim != 4 + stacked or k_pages.shape != v_pages.shape:
         raise ValueError(
-            f"k_pages {k_pages.shape} and v_pages {v_pages.shape}; expected equal shapes "
-            "[num_blocks, K, S, D]"
+            f"k_pages {k_pages.shape} and v_pages {v_pages.shape}; expected equal shapes {layout}"
         )
-    num_blocks, kv_heads, block_size, d_k = k_pages.shape
+    lead = k_pages.shape[:-3]  # (num_blocks,) or (L, num_blocks)
+    kv_heads, block_size, d_k = k_pages.shape[-3:]
     if d_k != d:
         raise ValueError(f"pages have head_dim {d_k}; expected q's head_dim {d}")
     if d < _MIN_DOT or d & (d - 1):
@@ -352,13 +387,12 @@ def _check_inputs(q, k_pages, v_pages, query_start, seq_lens, block_tables, wind
         raise ValueError("k_scale and v_scale must be given together")
     if ks is None and k_pages.dtype == jnp.int8:
         raise ValueError("int8 pages need k_scale and v_scale")
+    scale_shape = (*lead, kv_heads, block_size)  # [(L,) num_blocks, K, S]
     for name, scale in (("k_scale", ks), ("v_scale", vs)):
-        if scale is not None and (
-            scale.shape != (num_blocks, kv_heads, block_size) or scale.dtype != jnp.float32
-        ):
+        if scale is not None and (scale.shape != scale_shape or scale.dtype != jnp.float32):
             raise ValueError(
                 f"{name} has shape {scale.shape}, dtype {scale.dtype}; expected float32 "
-                f"{(num_blocks, kv_heads, block_size)}"
+                f"{scale_shape}"
             )
     if block_tables.ndim != 2 or 0 in block_tables.shape:
         raise ValueError(f"block_tables has shape {block_tables.shape}; expected [B, M], B, M >= 1")
@@ -388,6 +422,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    layer: jax.Array | None = None,
     block_sizes: AttentionBlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -395,13 +430,19 @@ def ragged_paged_attention(
 
     Args:
       q: `[T, H, D]` queries (float32, bfloat16 or float16).
-      k_pages, v_pages: `[num_blocks, K, S, D]` one layer's pages; float, or int8 / float8_e4m3fn
-        with scales. S and D powers of two, D >= 16.
+      k_pages, v_pages: `[num_blocks, K, S, D]` one layer's pages, or `[L, num_blocks, K, S, D]`
+        every layer's with `layer`; float, or int8 / float8_e4m3fn with scales. S and D powers
+        of two, D >= 16.
       query_start: `[B+1]` int32 row offsets of each sequence's queries (non-decreasing).
       seq_lens: `[B]` int32 context length of each sequence, its queries included.
       block_tables: `[B, M]` int32 physical block of each logical block.
       sliding_window: attend only to the last `sliding_window` positions (self included).
-      k_scale, v_scale: `[num_blocks, K, S]` float32 per-(token, head) scales.
+      k_scale, v_scale: `[num_blocks, K, S]` (`[L, num_blocks, K, S]` with `layer`) float32
+        per-(token, head) scales.
+      layer: optional scalar integer (traced is fine): the pages and scales hold every layer and
+        the kernel reads layer `layer` in place, never copying it out. Like a block id it cannot
+        be range-checked when traced; it is resolved as `k_pages[layer]` would be (negative counts
+        from the end, out of range clamps), so it never reads outside the cache.
       block_sizes: tile sizes; default from `default_attention_block_sizes(T, B)`.
       interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -409,11 +450,14 @@ def ragged_paged_attention(
       `[T, H, D]` in q's dtype; rows beyond query_start[B] are 0.
     """
     _check_inputs(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables, sliding_window, k_scale, v_scale
-    )
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, sliding_window, k_scale, v_scale,
+        layer,
+    )  # fmt: skip
     t, h, d = q.shape
-    _, kv_heads, block_size, _ = k_pages.shape
+    kv_heads, block_size = k_pages.shape[-3], k_pages.shape[-2]
     b, max_blocks = block_tables.shape
+    if layer is not None:
+        layer = _resolve_layer(layer, k_pages.shape[0]).reshape(1)  # [1] int32
     group = h // kv_heads
     sizes = block_sizes or default_attention_block_sizes(t, b)
     plan = _plan(t, b, kv_heads, group, block_size, max_blocks, sizes)
@@ -422,7 +466,7 @@ def ragged_paged_attention(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, plan.group_pad - group), (0, 0)))  # [T, K, Gp, D]
     tile_seq, tile_q0 = tile_schedule(query_start, plan.num_tiles, plan.tile_tokens)
     o, lse = _paged_attention_pallas_call(
-        tile_seq, tile_q0, query_start, seq_lens, block_tables, qg, k_pages, v_pages,
+        tile_seq, tile_q0, query_start, seq_lens, block_tables, layer, qg, k_pages, v_pages,
         k_scale, v_scale, plan=plan, sliding_window=sliding_window, sizes=sizes,
         interpret=interpret,
     )  # fmt: skip
@@ -447,16 +491,21 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-jnp oracle: gathers each sequence's pages to dense, masks, softmax in float32.
 
     Args:
       q, k_pages, v_pages, query_start, seq_lens, block_tables, sliding_window, k_scale,
-        v_scale: as in `ragged_paged_attention`.
+        v_scale, layer: as in `ragged_paged_attention` (with `layer`, it takes the slice).
 
     Returns:
       `[T, H, D]` in q's dtype; rows beyond query_start[B] are 0.
     """
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        k_scale = None if k_scale is None else k_scale[layer]
+        v_scale = None if v_scale is None else v_scale[layer]
     t, h, d = q.shape
     _, kv_heads, block_size, _ = k_pages.shape
     b, max_blocks = block_tables.shape

@@ -96,7 +96,7 @@ def test_decode_batch(kv_dtype):
     assert relative_error(out, paged_attention_reference(*args, **kw)) <= 1e-5
 
 
-@pytest.mark.parametrize("backend", ["xla", "reference"])
+@pytest.mark.parametrize("backend", ["xla", "reference", "pallas-interpret"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_layer_index_reads_that_layer(backend, kv_dtype):
     """`layer=l` over stacked `[L, ...]` pages equals the op on layer l's pages alone."""

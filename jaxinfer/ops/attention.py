@@ -163,21 +163,14 @@ def paged_attention(
 ):
     """Ragged paged attention through the chosen backend (see `paged_attention_reference`).
 
-    With `layer`, the pages and scales hold every layer (see `paged_attention_xla`); the XLA
-    backend reads that layer in place, the others take the slice.
+    With `layer`, the pages and scales hold every layer `[L, num_blocks, ...]` and the op reads
+    that layer in place (see `paged_attention_xla`); every backend takes the argument.
     """
     backend = resolve_backend(backend)
-    if backend == "xla":
-        return paged_attention_xla(
-            q, k_pages, v_pages, query_start, seq_lens, block_tables,
-            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, layer=layer,
-        )  # fmt: skip
-    if layer is not None:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-        k_scale = None if k_scale is None else k_scale[layer]
-        v_scale = None if v_scale is None else v_scale[layer]
-    kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     args = (q, k_pages, v_pages, query_start, seq_lens, block_tables)
+    kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, layer=layer)
+    if backend == "xla":
+        return paged_attention_xla(*args, **kw)
     if backend == "reference":
         return paged_attention_reference(*args, **kw)
     from pallas_kernels.paged_attention import ragged_paged_attention

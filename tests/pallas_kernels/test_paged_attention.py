@@ -12,6 +12,7 @@ appears in some case, instead of the full 2 * 3 * 3 * 3 * 3 * 3 * 2 product.
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ import pytest
 
 from pallas_kernels.paged_attention import (
     AttentionBlockSizes,
+    _resolve_layer,
     default_attention_block_sizes,
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -127,6 +129,83 @@ def test_decode_batch_matches_reference():
     assert relative_error(out, ref) <= TOL["float32"]
 
 
+# ----------------------------------------------------------------------------- stacked layers
+
+
+def _stacked(args, kw, layer, num_layers=3):
+    """The batch's pages as layer `layer` of `num_layers`; every other layer is poison.
+
+    Other layers hold NaN (float pages) or junk with NaN scales (int8), so reading any page of a
+    wrong layer makes the output non-finite.
+    """
+    q, k, v, *meta = args
+
+    def stack(x, fill):  # [num_blocks, ...] -> [L, num_blocks, ...]
+        poison = jnp.full_like(x, fill)
+        return jnp.stack([x if i == layer else poison for i in range(num_layers)])
+
+    junk = 127 if k.dtype == jnp.int8 else jnp.nan
+    stacked_kw = {name: stack(scale, jnp.nan) for name, scale in kw.items()}
+    return [q, stack(k, junk), stack(v, junk), *meta], stacked_kw
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,window",
+    [
+        ("float32", None),
+        ("float32", 5),
+        ("int8", None),
+        ("int8", 20),
+        ("float8_e4m3fn", None),
+        ("float8_e4m3fn", 5),
+    ],
+)
+def test_layer_reads_stacked_pages(kv_dtype, window):
+    """With `layer`, the op on stacked pages equals the reference on that layer's pages alone."""
+    args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=11)
+    stacked_args, stacked_kw = _stacked(args, kw, layer=1)
+    sizes = AttentionBlockSizes(block_kv=16, num_partitions=2)
+    out = ragged_paged_attention(
+        *stacked_args, **stacked_kw, layer=jnp.int32(1), sliding_window=window,
+        block_sizes=sizes, interpret=True,
+    )  # fmt: skip
+    ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    assert np.isfinite(np.asarray(out)).all()
+    assert relative_error(out, ref) <= TOL["float32"]
+    # The reference takes `layer` too, and agrees with itself on the slice.
+    ref_layer = ragged_paged_attention_reference(
+        *stacked_args, **stacked_kw, layer=1, sliding_window=window
+    )
+    np.testing.assert_array_equal(np.asarray(ref_layer), np.asarray(ref))
+
+
+def test_layer_indexes_like_jnp():
+    """A negative layer counts from the end and an out-of-range one clamps, as `pages[layer]`."""
+    args, _ = ragged_attention_batch(8, (4, 4), 32, "float32", seed=12)
+    stacked_args, _ = _stacked(args, {}, layer=2)
+    sizes = AttentionBlockSizes(block_kv=16, num_partitions=1)
+    ref = ragged_paged_attention_reference(*args)
+
+    @jax.jit
+    def run(layer):  # traced: no check can see the value
+        return ragged_paged_attention(*stacked_args, layer=layer, block_sizes=sizes, interpret=True)
+
+    for layer in (2, -1, 7):
+        assert relative_error(run(jnp.int32(layer)), ref) <= TOL["float32"], layer
+    for layer in (0, -3, -5):  # negative control: these resolve to layer 0, which is NaN
+        assert not np.isfinite(np.asarray(run(jnp.int32(layer)))).all(), layer
+
+
+def test_resolve_layer_matches_jnp_indexing():
+    """The wrapper's layer rule (the only guard on a GPU, where interpret's gather is absent)."""
+    num_layers = 3
+    layers = jnp.arange(-6, 7, dtype=jnp.int32)
+    got = jax.jit(jax.vmap(lambda i: _resolve_layer(i, num_layers)))(layers)
+    want = jax.jit(jax.vmap(lambda i: jnp.arange(num_layers)[i]))(layers)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # ----------------------------------------------------------------------------- the oracle
 
 
@@ -221,11 +300,37 @@ def _with(i, value):
         (lambda a: _with(4, a[4].astype(jnp.float32)), {}, "seq_lens has shape .* float32"),
         (lambda a: _with(5, a[5][0]), {}, "block_tables has shape"),
         (lambda a: a, {"sliding_window": 0}, "sliding_window=0"),
+        # layer: the pages must then be stacked [L, ...], and layer a scalar integer
+        (lambda a: a, {"layer": 0}, r"k_pages \(\d+, 2, 8, 32\) .* \[L, num_blocks"),
+        (lambda a: _stacked(a, {}, 0)[0], {}, r"k_pages \(3, \d+, 2, 8, 32\) .* \[num_blocks"),
+        (
+            lambda a: _stacked(a, {}, 0)[0],
+            {"layer": jnp.zeros(2, jnp.int32)},
+            r"layer has shape \(2,\)",
+        ),
+        (lambda a: _stacked(a, {}, 0)[0], {"layer": 1.0}, "layer has dtype float32"),
+        (lambda a: _stacked(a, {}, 0)[0], {"layer": True}, "layer has dtype bool"),
+        (
+            lambda a: _stacked(a, {}, 0)[0][:1] + [_stacked(a, {}, 0)[0][1]] + a[2:],
+            {"layer": 0},
+            "k_pages .* and v_pages",
+        ),
     ],
 )
 def test_rejects_bad_inputs(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*args(_valid()), **kwargs, interpret=True)
+
+
+@pytest.mark.parametrize("scale_layers", [None, 2])
+def test_rejects_unstacked_scales_with_layer(scale_layers):
+    """With `layer`, scales must be [L, num_blocks, K, S] with the pages' L."""
+    args, kw = ragged_attention_batch(8, (8, 2), 32, "int8")
+    stacked_args, stacked_kw = _stacked(args, kw, layer=0)  # L = 3
+    scales = kw if scale_layers is None else _stacked(args, kw, 0, num_layers=scale_layers)[1]
+    want = re.escape(str(stacked_kw["k_scale"].shape))
+    with pytest.raises(ValueError, match=f"k_scale has shape .*; expected float32 {want}"):
+        ragged_paged_attention(*stacked_args, **scales, layer=0, interpret=True)
 
 
 # ----------------------------------------------------------------------------- Triton lowering
@@ -242,4 +347,17 @@ def test_lowers_to_triton(kv_dtype, q_dtype, window):
         return ragged_paged_attention(*a, **kw, sliding_window=window)
 
     text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
+
+
+def test_lowers_to_triton_with_layer():
+    """The stacked-cache variant, with a traced layer, lowers for CUDA too."""
+    args, kw = ragged_attention_batch(16, (8, 2), 64, "int8", q_dtype="bfloat16")
+    stacked_args, stacked_kw = _stacked(args, kw, layer=1)
+
+    def op(layer, *a):
+        return ragged_paged_attention(*a, **stacked_kw, layer=layer, sliding_window=5)
+
+    lowered = jax.jit(op).trace(jnp.int32(1), *stacked_args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
