@@ -12,7 +12,9 @@ caches with float weights, scored through the paged forward (serving numerics,
 KL(baseline ‖ variant), top-1 agreement with the baseline, bits per weight of the decoder
 linears, bytes of the params pytree (sum of leaf nbytes) and of the saved artifact on disk
 (`quant.save`), calibration seconds. Also the share of RTN's perplexity gap to the baseline that
-GPTQ and AWQ close, (ppl_RTN − ppl_method) / (ppl_RTN − ppl_base).
+GPTQ and AWQ close, (ppl_RTN − ppl_method) / (ppl_RTN − ppl_base). GPTQ rows calibrate every
+linear of a layer on the float layer's inputs; --gptq_true_sequential recomputes them through the
+layer's already quantized linears (`QuantConfig.true_sequential`).
 
 Calibration: the shipped calibration split (`data.calibration_batch`); quality: the standard
 test windows (`eval.standard_windows`, 65,280 predicted tokens; --quick: 8,192, with 32
@@ -75,6 +77,7 @@ class ReportConfig:
     eval_tokens: int = ji_eval.EVAL_TOKENS  # test-stream budget of the standard windows
     seed: int = 0  # calibration draw
     block_size: int = 16  # KV block size of the paged (KV-format) rows
+    gptq_true_sequential: bool = False  # GPTQ rows: QuantConfig.true_sequential
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +91,20 @@ class Variant:
     kv_format: str | None = None  # scored through the paged forward with this cache
 
 
-def variants() -> list[Variant]:
-    """The rows of the report, in table order."""
+def variants(gptq_true_sequential: bool = False) -> list[Variant]:
+    """The rows of the report, in table order (GPTQ rows with the given true_sequential)."""
     out = [Variant("baseline (fp32)", "baseline", "fp32")]
     q = quant.QuantConfig
+    seq = {"true_sequential": gptq_true_sequential}
     for scheme, (bits, g) in SCHEMES.items():
         out += [
             Variant(f"RTN {scheme}", "rtn", scheme, q("rtn", bits, g)),
-            Variant(f"GPTQ {scheme}", "gptq", scheme, q("gptq", bits, g)),
+            Variant(f"GPTQ {scheme}", "gptq", scheme, q("gptq", bits, g, **seq)),
             Variant(
-                f"GPTQ act-order {scheme}", "gptq-act", scheme, q("gptq", bits, g, act_order=True)
+                f"GPTQ act-order {scheme}",
+                "gptq-act",
+                scheme,
+                q("gptq", bits, g, act_order=True, **seq),
             ),
             Variant(f"AWQ {scheme}", "awq", scheme, q("awq", bits, g)),
         ]
@@ -190,6 +197,7 @@ def resolve_config(
     calib_seq_len: int = 256,
     eval_tokens: int | None = None,
     seed: int = 0,
+    gptq_true_sequential: bool = False,
 ) -> ReportConfig:
     """A ReportConfig from optional settings: the shipped target and the standard budgets."""
     model_dir = model_dir or models.path("target")
@@ -204,6 +212,7 @@ def resolve_config(
         calib_seq_len=calib_seq_len,
         eval_tokens=eval_tokens or default_eval,
         seed=seed,
+        gptq_true_sequential=gptq_true_sequential,
     )
 
 
@@ -214,16 +223,21 @@ def gap_closed(ppl_base: float, ppl_rtn: float, ppl_method: float) -> float | No
 
 
 def build_variants(
-    cfg: ModelConfig, params: dict, calib: np.ndarray, base_disk: int | None, progress: bool
+    cfg: ModelConfig,
+    params: dict,
+    calib: np.ndarray,
+    base_disk: int | None,
+    progress: bool,
+    gptq_true_sequential: bool = False,
 ) -> tuple[list[dict], dict]:
-    """Quantizes the model for every row of `variants()`.
+    """Quantizes the model for every row of `variants(gptq_true_sequential)`.
 
     Returns:
       (rows without quality figures: bytes, bits per weight, calibration seconds and per-linear
       errors; candidates name -> (cfg, params, kv_format) for `eval.compare_to_reference`).
     """
     rows, candidates, rtn_w8 = [], {}, None
-    for v in variants():
+    for v in variants(gptq_true_sequential):
         cpu0 = time.process_time()
         row = {"name": v.name, "family": v.family, "scheme": v.scheme, "kv_format": v.kv_format}
         row["quant_config"] = None if v.qcfg is None else v.qcfg.to_dict()
@@ -318,7 +332,9 @@ def run(
 
     safetensors = Path(cfg_r.model) / "model.safetensors"
     base_disk = safetensors.stat().st_size if safetensors.is_file() else None
-    rows, candidates = build_variants(cfg, params, calib, base_disk, progress)
+    rows, candidates = build_variants(
+        cfg, params, calib, base_disk, progress, cfg_r.gptq_true_sequential
+    )
     ref, stats = ji_eval.compare_to_reference(
         (cfg, params), candidates, windows, block_size=cfg_r.block_size, progress=progress
     )
@@ -431,7 +447,14 @@ def markdown(results: dict, plot_file: str | None = None) -> str:
         "",
         "### Share of RTN's gap to the baseline that a method closes",
         "",
-        "perplexity: (ppl_RTN − ppl) / (ppl_RTN − ppl_base); KL: (KL_RTN − KL) / KL_RTN.",
+        "perplexity: (ppl_RTN − ppl) / (ppl_RTN − ppl_base); KL: (KL_RTN − KL) / KL_RTN. GPTQ "
+        + (
+            "calibrates true sequentially (each linear on the inputs from the layer's already "
+            "quantized linears)."
+            if c.get("gptq_true_sequential", False)
+            else "calibrates every linear of a layer on the float layer's inputs "
+            "(true_sequential=False)."
+        ),
         "",
         "| method | " + " | ".join(f"{s} ppl | {s} KL" for s in SCHEMES) + " |",
         "|---|" + "---|---|" * len(SCHEMES),
@@ -579,6 +602,7 @@ def _define_flags():
     flags.DEFINE_integer("calib_seq_len", 256, "Tokens per calibration sequence.")
     flags.DEFINE_integer("eval_tokens", None, "Test-stream token budget (default 65,536).")
     flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.")
+    flags.DEFINE_bool("gptq_true_sequential", False, "GPTQ rows: QuantConfig.true_sequential.")
     flags.mark_flag_as_required("workdir")
     return flags.FLAGS
 
@@ -589,7 +613,13 @@ def main(argv):
 
     f = flags.FLAGS
     config = resolve_config(
-        f.model, f.quick, f.calib_sequences, f.calib_seq_len, f.eval_tokens, f.seed
+        f.model,
+        f.quick,
+        f.calib_sequences,
+        f.calib_seq_len,
+        f.eval_tokens,
+        f.seed,
+        f.gptq_true_sequential,
     )
     results = run(workdir=f.workdir, config=config)
     print(markdown(results))

@@ -14,6 +14,13 @@ correct the error it actually receives. For each layer:
   3. the hidden states advance through the quantized layer (`decoder_layer_dense`, the model's
      own layer function).
 
+GPTQ with `true_sequential` (AutoGPTQ's default; off here, where it measured neutral, see
+BENCHMARKS.md) goes one step further *inside* the layer: it quantizes the linears in
+`SEQUENTIAL_GROUPS` order (q/k/v, o, gate/up, down) and, before each later group, recomputes its
+tap through the already quantized earlier groups (`partial_tap_stats`, one more pass over the
+mini-batches per group), so wo, w_gate/w_up and w_down are calibrated on the inputs they will
+see. Only attn_in's statistics come from step 1 then; the others are replaced.
+
 Every per-layer function is jitted once and reused by every layer (the layers share shapes).
 Scale folding for AWQ and SmoothQuant (exact in float arithmetic):
   attn_in -> attn_norm   mlp_in -> mlp_norm   down_in -> w_up's output columns
@@ -41,7 +48,7 @@ from jaxinfer.model.params import LINEAR_NAMES, lm_head
 from jaxinfer.ops.attention import dense_causal_attention
 from jaxinfer.ops.linear import linear
 from jaxinfer.quant import awq, gptq, smoothquant
-from jaxinfer.quant.formats import INT4_BITS, dequantize, resolve_group_size
+from jaxinfer.quant.formats import INT4_BITS, dequantize, is_quantized, resolve_group_size
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant")
@@ -62,6 +69,14 @@ SCALE_GROUPS = (
     ("down_in", ("w_down",), "w_up"),
     ("o_in", ("wo",), "wv"),
 )
+# GPTQ true-sequential order: (tap, linears reading it). Each tap after the first is recomputed
+# through the layer with every earlier group already quantized.
+SEQUENTIAL_GROUPS = (
+    ("attn_in", ("wq", "wk", "wv")),
+    ("o_in", ("wo",)),
+    ("mlp_in", ("w_gate", "w_up")),
+    ("down_in", ("w_down",)),
+)
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -77,6 +92,10 @@ class QuantConfig:
     act_order: bool = False  # GPTQ: sweep inputs by decreasing diag(H)
     static_groups: bool = True  # GPTQ act order: grids from the original weights, no perm
     blocksize: int = 128  # GPTQ: rows per lazy-update block
+    # GPTQ: calibrate o, gate/up, down on inputs recomputed through the layer's already quantized
+    # earlier linears (AutoGPTQ's default; measured neutral here, so off). RTN ignores statistics;
+    # AWQ and SmoothQuant ignore it.
+    true_sequential: bool = False
     awq_grid: int = 20  # AWQ: grid points of the scaling exponent in [0, 1)
     awq_clip: bool = True  # AWQ: search a clipping ratio per group
     awq_max_tokens: int = 4096  # AWQ: tokens of the subsample the scale search runs on
@@ -99,6 +118,8 @@ class QuantConfig:
             raise ValueError(f"damp={self.damp!r}; expected >= 0")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha!r}; expected a migration strength in [0, 1]")
+        if not isinstance(self.true_sequential, bool):
+            raise ValueError(f"true_sequential={self.true_sequential!r}; expected a bool")
         for name in ("blocksize", "awq_grid", "awq_max_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected >= 1")
@@ -173,6 +194,19 @@ def tap_stats(lp: dict, x: jax.Array, cfg: ModelConfig) -> dict:
     """Per-tap statistics of one calibration mini-batch `x [B, S, E]` (sums, not means)."""
     _, taps = layer_taps(lp, cfg, x)
     return {name: _stats(t) for name, t in taps.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tap"))
+def partial_tap_stats(lp: dict, x: jax.Array, cfg: ModelConfig, tap: str) -> dict:
+    """Statistics of one tap of `x [B, S, E]` through a partly quantized layer (true sequential).
+
+    Quantized linears of `lp` are dequantized to x's dtype (`linear(x, w) == x @ dequantize(w)`
+    on the XLA path), so the tap is what the layer's quantized earlier linears produce. Compiles
+    once per tap: the layers share shapes and the set of linears quantized before each tap.
+    """
+    lp = {k: dequantize(v, x.dtype) if is_quantized(v) else v for k, v in lp.items()}
+    _, taps = layer_taps(lp, cfg, x)
+    return _stats(taps[tap])  # XLA drops the parts of the layer after the tap
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -268,6 +302,46 @@ def _scaled_H(H: jax.Array, s: jax.Array | None) -> jax.Array:
     return H if s is None else H / s[:, None] / s[None, :]
 
 
+def _gptq_linear(w, h, qcfg, dtype, where):
+    """GPTQ of one float weight `w [in, out]` on its Hessian `h [in, in]`."""
+    qw, _, singular = gptq.gptq_core(
+        w,
+        h,
+        bits=qcfg.bits,
+        group_size=resolve_group_size(qcfg.group_size, w.shape[0]),
+        sym=qcfg.sym,
+        damp=float(qcfg.damp),
+        act_order=qcfg.act_order,
+        static_groups=qcfg.static_groups,
+        blocksize=qcfg.blocksize,
+        scale_dtype=dtype.name,
+    )
+    if bool(singular):
+        gptq.raise_singular(where, qcfg.damp)
+    return qw
+
+
+def _gptq_sequential(lp, stats, batches, count, cfg, qcfg, layer):
+    """True-sequential GPTQ of one float layer -> (quantized layer, {linear: relative error}).
+
+    `stats` are the float layer's (only attn_in's are used: the layer input is the same); every
+    later tap is recomputed over `batches` through the linears quantized so far, and its
+    statistics replace the float ones. The errors are measured on the inputs GPTQ used.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    out, errors = dict(lp), {}
+    for tap, names in SEQUENTIAL_GROUPS:
+        if tap != "attn_in":
+            st = _sum_stats([{tap: partial_tap_stats(out, xb, cfg, tap)} for xb in batches])
+            _check_finite(st, layer)
+            stats = {**stats, **st}
+        h = 2.0 * stats[tap]["xtx"] / count  # [dim, dim]
+        for name in names:
+            qw = _gptq_linear(lp[name], h, qcfg, dtype, f"layer {layer} {name}")
+            out[name], errors[name] = qw, float(relative_error(h, lp[name], qw))
+    return out, {name: errors[name] for name in LINEAR_NAMES}
+
+
 def _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes):
     """One float layer -> (quantized layer, {linear: relative error})."""
     dtype = jnp.dtype(cfg.dtype)
@@ -279,20 +353,7 @@ def _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes):
             if qcfg.method == "rtn":
                 qw = _weight_quantizer(qcfg, dtype, lp[name])
             else:
-                qw, _, singular = gptq.gptq_core(
-                    lp[name],
-                    h,
-                    bits=qcfg.bits,
-                    group_size=resolve_group_size(qcfg.group_size, lp[name].shape[0]),
-                    sym=qcfg.sym,
-                    damp=float(qcfg.damp),
-                    act_order=qcfg.act_order,
-                    static_groups=qcfg.static_groups,
-                    blocksize=qcfg.blocksize,
-                    scale_dtype=dtype.name,
-                )
-                if bool(singular):
-                    gptq.raise_singular(f"layer {layer} {name}", qcfg.damp)
+                qw = _gptq_linear(lp[name], h, qcfg, dtype, f"layer {layer} {name}")
             out[name], errors[name] = qw, float(relative_error(h, lp[name], qw))
         return out, errors
 
@@ -384,6 +445,12 @@ def _batch_size(n: int, want: int) -> int:
     return max(d for d in range(1, min(n, want) + 1) if n % d == 0)
 
 
+def _check_finite(stats: dict, layer: int) -> None:
+    for tap, st in stats.items():
+        if not bool(jnp.all(jnp.isfinite(st["xtx"]))):
+            raise ValueError(f"layer {layer}: calibration activations {tap!r} contain NaN or Inf")
+
+
 def _sum_stats(parts: list[dict]) -> dict:
     total = parts[0]
     for p in parts[1:]:
@@ -436,16 +503,15 @@ def quantize_with_report(
         lp = jax.tree.map(lambda a, i=layer: a[i], params["layers"])
         batches = [x[i : i + bs] for i in range(0, n, bs)]  # each [bs, S, E]
         stats = _sum_stats([tap_stats(lp, xb, cfg) for xb in batches])
-        for tap, st in stats.items():
-            if not bool(jnp.all(jnp.isfinite(st["xtx"]))):
-                raise ValueError(
-                    f"layer {layer}: calibration activations {tap!r} contain NaN or Inf"
-                )
+        _check_finite(stats, layer)
         samples = None
         if qcfg.method == "awq":
             parts = [tap_samples(lp, xb, cfg) for xb in batches[:n_awq]]
             samples = {t: jnp.concatenate([p[t] for p in parts]) for t in parts[0]}
-        qlp, errs = _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes)
+        if qcfg.method == "gptq" and qcfg.true_sequential:
+            qlp, errs = _gptq_sequential(lp, stats, batches, count, cfg, qcfg, layer)
+        else:
+            qlp, errs = _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes)
         x = jnp.concatenate([layer_forward(qlp, xb, cfg) for xb in batches])
         qlayers.append(qlp)
         errors.append(errs)

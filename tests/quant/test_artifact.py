@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -111,3 +112,17 @@ def test_shape_mismatch_is_a_clear_error(tmp_path, quantized):
 def test_missing_artifact(tmp_path):
     with pytest.raises(ValueError, match="no quantized artifact"):
         artifact.load(os.path.join(tmp_path, "nothing"))
+
+
+def test_artifact_without_true_sequential_loads_as_non_sequential(tmp_path, quantized):
+    """An artifact written before the field existed (its GPTQ calibrated on the float layer)."""
+    qparams, qcfg = quantized
+    qcfg = dataclasses.replace(qcfg, true_sequential=True)
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    assert artifact.load(path)[2] == qcfg  # stored with the artifact
+    _edit_meta(path, lambda m: m["quant_config"].pop("true_sequential"))
+    _, loaded, qcfg_old = artifact.load(path)
+    assert qcfg_old == dataclasses.replace(qcfg, true_sequential=False)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
