@@ -51,6 +51,11 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.testing import (  # noqa: E402
+    ragged_attention_batch,
+    relative_error,
+    stack_layers,
+)
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kernel_bench", "Where results are written.")
 _INT4_M = flags.DEFINE_list("int4_m", ["1", "4", "16", "64", "256"], "Rows of x.")
@@ -94,64 +99,9 @@ def _int4_problem(rng, m, k, n, g, dtype):
     return x, packed, scales, zeros
 
 
-def _attention_batch(rng, kv_dtype, q_dtype, s=16, heads=(8, 2), d=64):
-    """Mixed decode / verify / prefill batch; every slot outside a live context is NaN."""
-    h, kh = heads
-    contexts, q_lens = [1, s - 1, 0, s + 1, 17, 6 * s + 3], [1, 5, 0, 5, 17, 17]
-    need = [-(-c // s) for c in contexts]
-    num_blocks, max_blocks = sum(need) + 3, max(need) + 1
-    tables = np.full((len(contexts), max_blocks), num_blocks + 100, np.int32)  # junk entries
-    live = np.zeros((num_blocks, s), bool)
-    free = list(rng.permutation(num_blocks))
-    for b, c in enumerate(contexts):
-        tables[b, : need[b]] = [free.pop() for _ in range(need[b])]
-        for t in range(c):
-            live[tables[b, t // s], t % s] = True
-    live4 = live[:, None, :, None]
-    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((qs[-1] + 2, h, d))
-    q[qs[-1] :] = np.nan
-    shape = (num_blocks, kh, s, d)
-    kw = {}
-    if kv_dtype in ("int8", "float8_e4m3fn"):  # per-(token, head) scales, NaN outside too
-        for name in ("k_scale", "v_scale"):
-            scale = np.where(live[:, None, :], rng.uniform(0.5, 1.5, shape[:3]) / 16, np.nan)
-            kw[name] = jnp.asarray(scale, jnp.float32)
-    if kv_dtype == "int8":  # int8 has no NaN: junk instead
-        k, v = (np.where(live4, rng.integers(-127, 128, shape), 127) for _ in range(2))
-    else:
-        k, v = (np.where(live4, rng.standard_normal(shape) * 4, np.nan) for _ in range(2))
-    page_dtype = q_dtype if kv_dtype == "float" else kv_dtype
-    args = (
-        jnp.asarray(q, q_dtype),
-        jnp.asarray(k, page_dtype),
-        jnp.asarray(v, page_dtype),
-        jnp.asarray(qs),
-        jnp.asarray(contexts, jnp.int32),
-        jnp.asarray(tables),
-    )
-    return args, kw
-
-
-def _stack_layers(args, kw, layer, num_layers=3):
-    """The batch's pages as layer `layer` of a stacked `[L, num_blocks, ...]` cache; the other
-    layers are NaN (junk with NaN scales for int8), so reading any of them shows as non-finite."""
-    q, k, v, *meta = args
-
-    def stack(x, fill):
-        return jnp.stack([x if i == layer else jnp.full_like(x, fill) for i in range(num_layers)])
-
-    junk = 127 if k.dtype == jnp.int8 else jnp.nan
-    stacked_kw = {name: stack(scale, jnp.nan) for name, scale in kw.items()}
-    return (q, stack(k, junk), stack(v, junk), *meta), stacked_kw
-
-
 def _rel_err(y, ref) -> float:
-    y = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if not np.isfinite(y).all():
-        return float("inf")
-    return float(np.abs(y - ref).max() / max(1.0, np.abs(ref).max()))
+    """`relative_error`, with any non-finite output counted as infinitely wrong."""
+    return relative_error(y, ref) if np.isfinite(np.asarray(y, np.float32)).all() else float("inf")
 
 
 def _run_int4(args, group, perm, interpret):
@@ -197,19 +147,19 @@ def check_correctness(on_gpu: bool) -> list[dict]:
         )
     )
     for kv_dtype, q_dtype, window in (
-        ("float", "float32", None),
-        ("float", "bfloat16", 20),
+        ("float32", "float32", None),
+        ("float32", "bfloat16", 20),
         ("int8", "float32", 5),
         ("float8_e4m3fn", "bfloat16", None),
     ):
-        args, kw = _attention_batch(rng, kv_dtype, q_dtype)
+        args, kw = ragged_attention_batch(16, (8, 2), 64, kv_dtype, q_dtype, seed=len(cases))
         run = functools.partial(_run_attention, args, kw, window)
         ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
         name = f"attention kv={kv_dtype} q={q_dtype} window={window}"
         cases.append((name, run, ref, tol[q_dtype]))
     # The model's layer scan: layer 1 of a stacked 3-layer cache, read in place.
-    args, kw = _attention_batch(rng, "int8", "float32")
-    stacked_args, stacked_kw = _stack_layers(args, kw, layer=1)
+    args, kw = ragged_attention_batch(16, (8, 2), 64, "int8", seed=len(cases))
+    stacked_args, stacked_kw = stack_layers(args, kw, layer=1)
     run = functools.partial(_run_attention, stacked_args, stacked_kw, 20, layer=jnp.int32(1))
     ref = ragged_paged_attention_reference(*args, **kw, sliding_window=20)
     cases.append(("attention kv=int8 q=float32 window=20 layer=1 of 3", run, ref, tol["float32"]))

@@ -18,7 +18,8 @@ from jaxinfer.ops.attention import (
     paged_attention_xla,
     resolve_backend,
 )
-from tests.helpers import ragged_attention_batch, random_params, relative_error
+from pallas_kernels.testing import ragged_attention_batch, relative_error, stack_layers
+from tests.helpers import random_params
 
 CASES = [  # block_size, (H, K), head_dim, kv dtype, window
     (16, (4, 4), 64, "float32", None),
@@ -103,13 +104,9 @@ def test_layer_index_reads_that_layer(backend, kv_dtype):
     for extra_rows in (0, 40):  # decode-sized and prefill-sized tiles
         args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=11)
         args = _pad_rows(args, extra_rows)
-        q, k, v, *meta = args
         # Three layers: the wanted one in the middle, NaN / junk layers around it.
-        junk = jnp.full_like(k, 7 if kv_dtype == "int8" else jnp.nan)
-        k3, v3 = jnp.stack([junk, k, junk]), jnp.stack([junk, v, junk])
-        kw3 = {n: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
-               for n, x in kw.items()}  # fmt: skip
-        out = paged_attention(q, k3, v3, *meta, **kw3, layer=jnp.int32(1), backend=backend)
+        stacked, stacked_kw = stack_layers(args, kw, layer=1)
+        out = paged_attention(*stacked, **stacked_kw, layer=jnp.int32(1), backend=backend)
         ref = paged_attention_reference(*args, **kw)
         assert np.isfinite(np.asarray(out)).all()
         assert relative_error(out, ref) <= 1e-5

@@ -26,7 +26,7 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from tests.helpers import ragged_attention_batch, relative_error
+from pallas_kernels.testing import ragged_attention_batch, relative_error, stack_layers
 
 AXES = {
     "block_size": (8, 16),
@@ -132,23 +132,6 @@ def test_decode_batch_matches_reference():
 # ----------------------------------------------------------------------------- stacked layers
 
 
-def _stacked(args, kw, layer, num_layers=3):
-    """The batch's pages as layer `layer` of `num_layers`; every other layer is poison.
-
-    Other layers hold NaN (float pages) or junk with NaN scales (int8), so reading any page of a
-    wrong layer makes the output non-finite.
-    """
-    q, k, v, *meta = args
-
-    def stack(x, fill):  # [num_blocks, ...] -> [L, num_blocks, ...]
-        poison = jnp.full_like(x, fill)
-        return jnp.stack([x if i == layer else poison for i in range(num_layers)])
-
-    junk = 127 if k.dtype == jnp.int8 else jnp.nan
-    stacked_kw = {name: stack(scale, jnp.nan) for name, scale in kw.items()}
-    return [q, stack(k, junk), stack(v, junk), *meta], stacked_kw
-
-
 @pytest.mark.parametrize(
     "kv_dtype,window",
     [
@@ -163,7 +146,7 @@ def _stacked(args, kw, layer, num_layers=3):
 def test_layer_reads_stacked_pages(kv_dtype, window):
     """With `layer`, the op on stacked pages equals the reference on that layer's pages alone."""
     args, kw = ragged_attention_batch(8, (8, 2), 32, kv_dtype, seed=11)
-    stacked_args, stacked_kw = _stacked(args, kw, layer=1)
+    stacked_args, stacked_kw = stack_layers(args, kw, layer=1)
     sizes = AttentionBlockSizes(block_kv=16, num_partitions=2)
     out = ragged_paged_attention(
         *stacked_args, **stacked_kw, layer=jnp.int32(1), sliding_window=window,
@@ -183,7 +166,7 @@ def test_layer_reads_stacked_pages(kv_dtype, window):
 def test_layer_indexes_like_jnp():
     """A negative layer counts from the end and an out-of-range one clamps, as `pages[layer]`."""
     args, _ = ragged_attention_batch(8, (4, 4), 32, "float32", seed=12)
-    stacked_args, _ = _stacked(args, {}, layer=2)
+    stacked_args, _ = stack_layers(args, {}, layer=2)
     sizes = AttentionBlockSizes(block_kv=16, num_partitions=1)
     ref = ragged_paged_attention_reference(*args)
 
@@ -302,16 +285,16 @@ def _with(i, value):
         (lambda a: a, {"sliding_window": 0}, "sliding_window=0"),
         # layer: the pages must then be stacked [L, ...], and layer a scalar integer
         (lambda a: a, {"layer": 0}, r"k_pages \(\d+, 2, 8, 32\) .* \[L, num_blocks"),
-        (lambda a: _stacked(a, {}, 0)[0], {}, r"k_pages \(3, \d+, 2, 8, 32\) .* \[num_blocks"),
+        (lambda a: stack_layers(a, {}, 0)[0], {}, r"k_pages \(3, \d+, 2, 8, 32\) .* \[num_blocks"),
         (
-            lambda a: _stacked(a, {}, 0)[0],
+            lambda a: stack_layers(a, {}, 0)[0],
             {"layer": jnp.zeros(2, jnp.int32)},
             r"layer has shape \(2,\)",
         ),
-        (lambda a: _stacked(a, {}, 0)[0], {"layer": 1.0}, "layer has dtype float32"),
-        (lambda a: _stacked(a, {}, 0)[0], {"layer": True}, "layer has dtype bool"),
+        (lambda a: stack_layers(a, {}, 0)[0], {"layer": 1.0}, "layer has dtype float32"),
+        (lambda a: stack_layers(a, {}, 0)[0], {"layer": True}, "layer has dtype bool"),
         (
-            lambda a: _stacked(a, {}, 0)[0][:1] + [_stacked(a, {}, 0)[0][1]] + a[2:],
+            lambda a: stack_layers(a, {}, 0)[0][:1] + [stack_layers(a, {}, 0)[0][1]] + a[2:],
             {"layer": 0},
             "k_pages .* and v_pages",
         ),
@@ -326,8 +309,8 @@ def test_rejects_bad_inputs(args, kwargs, match):
 def test_rejects_unstacked_scales_with_layer(scale_layers):
     """With `layer`, scales must be [L, num_blocks, K, S] with the pages' L."""
     args, kw = ragged_attention_batch(8, (8, 2), 32, "int8")
-    stacked_args, stacked_kw = _stacked(args, kw, layer=0)  # L = 3
-    scales = kw if scale_layers is None else _stacked(args, kw, 0, num_layers=scale_layers)[1]
+    stacked_args, stacked_kw = stack_layers(args, kw, layer=0)  # L = 3
+    scales = kw if scale_layers is None else stack_layers(args, kw, 0, num_layers=scale_layers)[1]
     want = re.escape(str(stacked_kw["k_scale"].shape))
     with pytest.raises(ValueError, match=f"k_scale has shape .*; expected float32 {want}"):
         ragged_paged_attention(*stacked_args, **scales, layer=0, interpret=True)
@@ -353,7 +336,7 @@ def test_lowers_to_triton(kv_dtype, q_dtype, window):
 def test_lowers_to_triton_with_layer():
     """The stacked-cache variant, with a traced layer, lowers for CUDA too."""
     args, kw = ragged_attention_batch(16, (8, 2), 64, "int8", q_dtype="bfloat16")
-    stacked_args, stacked_kw = _stacked(args, kw, layer=1)
+    stacked_args, stacked_kw = stack_layers(args, kw, layer=1)
 
     def op(layer, *a):
         return ragged_paged_attention(*a, **stacked_kw, layer=layer, sliding_window=5)
