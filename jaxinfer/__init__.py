@@ -9,7 +9,7 @@ import importlib
 
 # ---------------------------------------------------------------- config & model
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
-from jaxinfer.model import forward, forward_dense, init_params
+from jaxinfer.model import forward, forward_dense, init_params, unstack_layers
 
 # ---------------------------------------------------------------- cache
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, build_metadata
@@ -57,4 +57,5 @@ __all__ = [
     "save_checkpoint",
     "score",
     "to_hf_config",
+    "unstack_layers",
 ]

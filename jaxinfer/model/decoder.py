@@ -1,7 +1,9 @@
-"""The decoder: one `lax.scan` over stacked layers, paged (`forward`) or dense (`forward_dense`).
+"""The decoder over the layers, paged (`forward`) or dense (`forward_dense`).
 
 Both forwards share every layer function; `forward` serves prefill, chunked prefill, decode and
-speculative verification over the ragged batch of `BatchMetadata`, in any mix.
+speculative verification over the ragged batch of `BatchMetadata`, in any mix. `forward` runs a
+Python loop over the unrolled params form (`unstack_layers`) or one `lax.scan` over the stacked
+one; `forward_dense` (training, scoring, calibration: large batches) always scans.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def forward(
     """Runs the ragged paged batch through the model, writing its K/V into the cache.
 
     Args:
-      params: the params pytree (dense or quantized linears).
+      params: the params pytree (dense or quantized linears), stacked or unrolled
+        (`jaxinfer.model.params.unstack_layers`; the unrolled form is faster on a CPU).
       cfg: the model config (static).
       batch: the step's metadata; `batch.tokens [T]`.
       cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.
@@ -62,8 +65,16 @@ def forward(
         x = mlp_block(x + attn, lp, cfg, backend)
         return (x, cache), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
+    if isinstance(params["layers"], tuple | list):  # unrolled form: one Python loop
+        if len(params["layers"]) != cfg.num_layers:
+            raise ValueError(
+                f"params hold {len(params['layers'])} layers, cfg.num_layers={cfg.num_layers}"
+            )
+        for i, lp in enumerate(params["layers"]):
+            (x, cache), _ = layer((x, cache), (lp, i))
+    else:  # stacked form: one scan (weights sliced per layer; see `unstack_layers`)
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
     return logits_from_hidden(params, cfg, x[batch.logits_indices], backend), cache
 
 

@@ -11,6 +11,12 @@ weight is `[in, out]`, applied as `x @ w`):
     w_gate [L, E, F]  w_up [L, E, F]  w_down [L, F, E]
   final_norm  [E]
   lm_head     [E, V]        (absent with cfg.tie_word_embeddings)
+
+`unstack_layers` gives the unrolled inference form: the same leaves with `layers` a tuple of L
+per-layer dicts (no leading axis). `forward` takes either form; the decode loops, the engine and
+the speculative loops run on the unrolled one, because on a CPU a `lax.scan` over stacked
+weights slices (copies) every layer's weights at every step: three to four times the weight
+traffic of a decode step (`experiments/bench_decode.py`, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -70,6 +76,26 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
 def param_shapes(cfg: ModelConfig) -> dict:
     """The params pytree as `jax.ShapeDtypeStruct`s, computed without allocating anything."""
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def unstack_layers(params: dict) -> dict:
+    """The unrolled form: `params` with `layers` a tuple of per-layer dicts (each leaf `a[i]`).
+
+    Idempotent (an unrolled pytree comes back as is). Under `jax.jit` the slices are computed
+    once per call, outside any loop the caller then runs; eagerly they are copies, so an owner
+    that runs many steps (the engine) unrolls once and keeps the result.
+
+    Raises:
+      ValueError: if the stacked leaves disagree on the number of layers.
+    """
+    layers = params["layers"]
+    if isinstance(layers, tuple | list):
+        return params
+    counts = {leaf.shape[0] for leaf in jax.tree.leaves(layers)}
+    if len(counts) != 1:
+        raise ValueError(f"stacked layer leaves disagree on the layer count: {sorted(counts)}")
+    (n,) = counts
+    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)))
 
 
 def lm_head(params: dict):

@@ -14,6 +14,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
+from jaxinfer.model.params import unstack_layers
 from tests.helpers import random_params
 
 BLOCK = 8
@@ -59,15 +60,17 @@ def _run_chunked(cfg, params, seqs, chunk_sizes, decode_steps, seed=0):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-mqa"])
-def test_paged_chunked_prefill_then_decode_matches_dense(name):
+@pytest.mark.parametrize("form", ["stacked", "unrolled"])
+def test_paged_chunked_prefill_then_decode_matches_dense(name, form):
     cfg = ji.preset(name)
     params = random_params(cfg, seed=3)
+    paged_params = unstack_layers(params) if form == "unrolled" else params
     rng = np.random.RandomState(0)
     lens = [41, 40, 37, 9]
     seqs = [rng.randint(0, cfg.vocab_size, n).tolist() for n in lens]
     # One sequence per chunking scheme: whole prompt in one chunk, chunks of 1, 7 and 16.
     chunk_sizes = [64, 1, 7, 16]
-    got = _run_chunked(cfg, params, seqs, chunk_sizes, decode_steps=5)
+    got = _run_chunked(cfg, paged_params, seqs, chunk_sizes, decode_steps=5)
     for s, g in zip(seqs, got):
         ref = np.asarray(ji.forward_dense(params, cfg, jnp.asarray([s])))[0]
         assert g.shape == ref.shape

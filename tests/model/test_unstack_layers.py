@@ -1,0 +1,95 @@
+"""The unrolled params form (`unstack_layers`) runs the same model as the stacked one."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.cache.metadata import SeqChunk, build_metadata
+from jaxinfer.model.params import LINEAR_NAMES, unstack_layers
+from jaxinfer.quant.formats import Int4Weight
+from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
+from tests.helpers import random_params
+
+BLOCK = 8
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, batch, cache, cfg):
+    return ji.forward(params, cfg, batch, cache, backend="xla")
+
+
+def _prefill_and_decode(cfg, params, seqs):
+    """A ragged prefill of every sequence but its last token, then one decode row each."""
+    m = -(-max(len(s) for s in seqs) // BLOCK)
+    tables = (np.random.RandomState(0).permutation(len(seqs) * m) + 1).reshape(len(seqs), m)
+    cache = ji.init_cache(cfg, 1 + len(seqs) * m, BLOCK)
+    cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)
+    outs = []
+    for step in ("prefill", "decode"):
+        chunks = [
+            SeqChunk(s[:-1], 0, tables[i], "all") if step == "prefill"
+            else SeqChunk(s[-1:], len(s) - 1, tables[i])
+            for i, s in enumerate(seqs)
+        ]  # fmt: skip
+        meta, _ = build_metadata(chunks, BLOCK)
+        logits, cache = _forward(params, jax.tree.map(jnp.asarray, meta), cache, cfg)
+        outs.append(np.asarray(logits))
+    return outs, cache
+
+
+def _quantized(params):
+    layers = dict(params["layers"])
+    for i, name in enumerate(LINEAR_NAMES):
+        w = layers[name]
+        layers[name] = quantize_int8(w) if i % 2 else rtn_quantize(w, bits=4, group_size=32)
+    return dict(params, layers=layers)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_unrolled_forward_equals_stacked(quantized):
+    cfg = ji.preset("tiny-qwen2")  # biases: every leaf kind is sliced
+    params = random_params(cfg, seed=5)
+    if quantized:
+        params = _quantized(params)
+    rng = np.random.RandomState(1)
+    seqs = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (19, 6, 33)]
+    (pre_s, dec_s), cache_s = _prefill_and_decode(cfg, params, seqs)
+    (pre_u, dec_u), cache_u = _prefill_and_decode(cfg, unstack_layers(params), seqs)
+    assert np.all(np.isfinite(pre_s)) and np.all(np.isfinite(dec_s))
+    np.testing.assert_allclose(pre_u, pre_s, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(dec_u, dec_s, atol=1e-5, rtol=0)
+    # The cache each form wrote is the same (NaN where nothing was written in both).
+    np.testing.assert_allclose(np.asarray(cache_u.k), np.asarray(cache_s.k), atol=1e-5, rtol=0)
+
+
+def test_unstack_layers_slices_every_leaf():
+    cfg = ji.preset("tiny-llama")
+    params = _quantized(random_params(cfg, seed=2))
+    unrolled = unstack_layers(params)
+    assert isinstance(unrolled["layers"], tuple) and len(unrolled["layers"]) == cfg.num_layers
+    for i, lp in enumerate(unrolled["layers"]):
+        assert isinstance(lp["wq"], Int4Weight)
+        for got, want in zip(jax.tree.leaves(lp), jax.tree.leaves(params["layers"])):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want[i]))
+    assert unrolled["embed"] is params["embed"]  # everything outside `layers` is shared
+    assert unstack_layers(unrolled) is unrolled  # idempotent
+
+
+def test_unstack_layers_rejects_ragged_stack():
+    params = random_params(ji.preset("tiny-llama"))
+    bad = dict(params, layers=dict(params["layers"], wq=params["layers"]["wq"][:1]))
+    with pytest.raises(ValueError, match="layer count"):
+        unstack_layers(bad)
+
+
+def test_forward_rejects_wrong_layer_count():
+    cfg = ji.preset("tiny-llama")
+    params = unstack_layers(random_params(cfg))
+    params = dict(params, layers=params["layers"][:-1])
+    meta, _ = build_metadata([SeqChunk([1, 2, 3], 0, [1], "all")], BLOCK)
+    with pytest.raises(ValueError, match="num_layers"):
+        ji.forward(params, cfg, meta, ji.init_cache(cfg, 2, BLOCK))
