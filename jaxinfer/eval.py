@@ -32,6 +32,7 @@ from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_t
 from jaxinfer.cache.paged import KV_FORMATS, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward, forward_dense
+from jaxinfer.ops.argmax import argmax
 
 EVAL_TOKENS = 65_536  # the standard token budget: the first 64 Ki tokens of the test stream
 EVAL_SEQ_LEN = 256  # the window the embedded models were trained on
@@ -122,10 +123,10 @@ def _window_stats(params: dict, windows: jax.Array, cfg: ModelConfig):
     targets = windows[:, 1:]  # [B, S]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, S]
+    top = argmax(logits)  # [B, S]
     ce = jnp.sum(lse - picked, axis=-1)  # [B]
-    correct = jnp.sum(argmax == targets, axis=-1)  # [B]
-    return ce, correct, argmax
+    correct = jnp.sum(top == targets, axis=-1)  # [B]
+    return ce, correct, top
 
 
 @functools.partial(jax.jit, static_argnames=("cfg_a", "cfg_b"))
@@ -134,7 +135,7 @@ def _pair_stats(params_a, params_b, windows, cfg_a: ModelConfig, cfg_b: ModelCon
     inputs = windows[:, :-1]  # [B, S]
     log_p = jax.nn.log_softmax(forward_dense(params_a, cfg_a, inputs), axis=-1)  # [B, S, V]
     log_q = jax.nn.log_softmax(forward_dense(params_b, cfg_b, inputs), axis=-1)  # [B, S, V]
-    agree = jnp.sum(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1), axis=-1)  # [B]
+    agree = jnp.sum(argmax(log_p) == argmax(log_q), axis=-1)  # [B]
     kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
     return agree, kl
 
@@ -349,7 +350,7 @@ def _kl_agree(ref_logits, logits):
     log_p = jax.nn.log_softmax(ref_logits, axis=-1)  # [B, S, V]
     log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, S, V]
     kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
-    agree = jnp.sum(jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1), axis=-1)  # [B]
+    agree = jnp.sum(argmax(log_p) == argmax(log_q), axis=-1)  # [B]
     return kl, agree
 
 

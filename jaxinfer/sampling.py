@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.ops.argmax import argmax
+
 _NEG_INF = -jnp.inf
 
 
@@ -210,13 +212,13 @@ def sample(
     _check_sample_index(sample_index, positions)
 
     def greedy_only():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
 
     def mixed():
         x = process_logits(logits, sb)
         g = gumbel_noise(sb.seed, positions, logits.shape[-1], sample_index)
-        sampled = jnp.argmax(x + g, axis=-1)
-        return jnp.where(sb.temperature <= 0, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+        sampled = argmax(x + g)
+        return jnp.where(sb.temperature <= 0, argmax(x), sampled)
 
     # An all-greedy batch (the common benchmark case) needs neither noise nor processing.
     return jax.lax.cond(jnp.all(sb.temperature <= 0), greedy_only, mixed)
@@ -225,5 +227,5 @@ def sample(
 def probs(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """The declared distribution `[B, V]` float32 (one-hot argmax for greedy rows)."""
     x = process_logits(logits, sb)
-    onehot = jax.nn.one_hot(jnp.argmax(x, -1), x.shape[-1], dtype=jnp.float32)
+    onehot = jax.nn.one_hot(argmax(x), x.shape[-1], dtype=jnp.float32)
     return jnp.where(sb.temperature[:, None] <= 0, onehot, jax.nn.softmax(x, axis=-1))

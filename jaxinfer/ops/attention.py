@@ -138,7 +138,10 @@ def paged_attention_xla(
         jnp.zeros((nt, kh, g, tq), jnp.float32),
         jnp.zeros((nt, kh, g, tq, d), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
+    if n_chunks_max == 1:  # one chunk covers every table: no loop
+        _, denom, acc = chunk(0, init)
+    else:
+        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [NT, K, G, tq, D]
     out = jnp.where(live_row[:, None, None, :, None], out, 0.0)
     out = out.transpose(0, 3, 1, 2, 4).reshape(nt * tq, h, d)

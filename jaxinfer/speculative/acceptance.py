@@ -37,6 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.ops.argmax import argmax
+
 # Value of `tokens[b, j]` for j >= num_emitted[b]. Not a valid token id, so a caller that forgets
 # to mask fails loudly in an embedding lookup rather than silently committing token 0.
 PAD_TOKEN = -1
@@ -218,7 +220,7 @@ def _rejection_sample_with_noise(target_probs, draft_probs, draft_tokens, unifor
         _correction_probs(target_probs, draft_probs), num_accepted[:, None, None], axis=1
     )[:, 0]  # [B, V]
     # Gumbel-max: log 0 = -inf keeps zero-mass tokens out without producing NaN.
-    last = jnp.argmax(jnp.log(stop_probs) + gumbel.astype(jnp.float32), axis=-1)  # [B]
+    last = argmax(jnp.log(stop_probs) + gumbel.astype(jnp.float32))  # [B]
     gamma = draft_tokens.shape[1]
     committed = jnp.concatenate(
         [draft_tokens.astype(jnp.int32), jnp.zeros_like(last, jnp.int32)[:, None]], axis=1
@@ -326,10 +328,10 @@ def rejection_sample(
 
 @jax.jit
 def _coupled_accept(target_logprobs, draft_tokens, gumbel):
-    target_choice = jnp.argmax(
-        target_logprobs.astype(jnp.float32) + gumbel.astype(jnp.float32), axis=-1
+    target_choice = argmax(
+        target_logprobs.astype(jnp.float32) + gumbel.astype(jnp.float32)
     )  # [B, γ+1]
-    return _match_target(target_choice.astype(jnp.int32), draft_tokens)
+    return _match_target(target_choice, draft_tokens)
 
 
 def coupled_accept(
@@ -364,7 +366,7 @@ def coupled_accept(
 
 @jax.jit
 def _greedy_accept(target_logits, draft_tokens):
-    target_choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, γ+1]
+    target_choice = argmax(target_logits)  # [B, γ+1]
     return _match_target(target_choice, draft_tokens)
 
 

@@ -51,6 +51,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import unstack_layers
+from jaxinfer.ops.argmax import argmax
 from jaxinfer.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -203,7 +204,7 @@ def _make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
         v = logits.shape[-1]
 
         def greedy_only():
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tok = argmax(logits)
             return tok, jax.nn.one_hot(tok, v, dtype=jnp.float32)
 
         def mixed():
@@ -214,8 +215,8 @@ def _make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
                 g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, j), (v,)))(
                     draft_keys
                 )  # [B, V]
-            top = jnp.argmax(x, axis=-1)
-            tok = jnp.where(greedy, top, jnp.argmax(x + g, axis=-1)).astype(jnp.int32)
+            top = argmax(x)
+            tok = jnp.where(greedy, top, argmax(x + g))
             q = jnp.where(
                 greedy[:, None], jax.nn.one_hot(top, v, dtype=jnp.float32), jax.nn.softmax(x)
             )
