@@ -9,7 +9,7 @@ import importlib
 
 # ---------------------------------------------------------------- config & model
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
-from jaxinfer.model import forward, forward_dense, init_params, unstack_layers
+from jaxinfer.model import forward, forward_dense, inference_layout, init_params
 
 # ---------------------------------------------------------------- cache
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, build_metadata
@@ -50,6 +50,7 @@ __all__ = [
     "from_hf_config",
     "generate",
     "init_cache",
+    "inference_layout",
     "init_params",
     "load_checkpoint",
     "load_tokenizer",
@@ -57,5 +58,4 @@ __all__ = [
     "save_checkpoint",
     "score",
     "to_hf_config",
-    "unstack_layers",
 ]

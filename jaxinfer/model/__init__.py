@@ -12,6 +12,6 @@ Axis glossary, used in every shape comment of the project:
 """
 
 from jaxinfer.model.decoder import forward, forward_dense
-from jaxinfer.model.params import init_params, param_shapes, unstack_layers
+from jaxinfer.model.params import inference_layout, init_params, param_shapes
 
-__all__ = ["forward", "forward_dense", "init_params", "param_shapes", "unstack_layers"]
+__all__ = ["forward", "forward_dense", "inference_layout", "init_params", "param_shapes"]

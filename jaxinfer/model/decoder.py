@@ -2,7 +2,7 @@
 
 Both forwards share every layer function; `forward` serves prefill, chunked prefill, decode and
 speculative verification over the ragged batch of `BatchMetadata`, in any mix. `forward` runs a
-Python loop over the unrolled params form (`unstack_layers`) or one `lax.scan` over the stacked
+Python loop over the unrolled params form (`inference_layout`) or one `lax.scan` over the stacked
 one; `forward_dense` (training, scoring, calibration: large batches) always scans.
 """
 
@@ -46,7 +46,7 @@ def forward(
 
     Args:
       params: the params pytree (dense or quantized linears), stacked or unrolled
-        (`jaxinfer.model.params.unstack_layers`; the unrolled form is faster on a CPU).
+        (`jaxinfer.model.params.inference_layout`; the unrolled form is faster on a CPU).
       cfg: the model config (static).
       batch: the step's metadata; `batch.tokens [T]`.
       cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.
@@ -72,7 +72,7 @@ def forward(
             )
         for i, lp in enumerate(params["layers"]):
             (x, cache), _ = layer((x, cache), (lp, i))
-    else:  # stacked form: one scan (weights sliced per layer; see `unstack_layers`)
+    else:  # stacked form: one scan (weights sliced per layer; see `inference_layout`)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
     return logits_from_hidden(params, cfg, x[batch.logits_indices], backend), cache

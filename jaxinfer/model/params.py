@@ -12,11 +12,12 @@ weight is `[in, out]`, applied as `x @ w`):
   final_norm  [E]
   lm_head     [E, V]        (absent with cfg.tie_word_embeddings)
 
-`unstack_layers` gives the unrolled inference form: the same leaves with `layers` a tuple of L
-per-layer dicts (no leading axis). `forward` takes either form; the decode loops, the engine and
-the speculative loops run on the unrolled one, because on a CPU a `lax.scan` over stacked
-weights slices (copies) every layer's weights at every step: three to four times the weight
-traffic of a decode step (`experiments/bench_decode.py`, BENCHMARKS.md).
+`inference_layout` gives the form the paged decode paths run on: the same leaves with `layers` a
+tuple of L per-layer dicts (no leading axis), and a tied output projection materialised as its
+own `lm_head [E, V]`. `forward` takes either form. Both changes are about XLA on a CPU: a
+`lax.scan` over stacked weights slices (copies) every layer's weights at every step, three to
+four times a decode step's weight traffic; and `x @ embed.T` with more than one row (verification,
+batched decode) runs about twice as slow as the same product against a contiguous `[E, V]`.
 """
 
 from __future__ import annotations
@@ -78,24 +79,32 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
 
-def unstack_layers(params: dict) -> dict:
-    """The unrolled form: `params` with `layers` a tuple of per-layer dicts (each leaf `a[i]`).
+def inference_layout(params: dict) -> dict:
+    """The params laid out for the paged decode paths (see the module docstring).
 
-    Idempotent (an unrolled pytree comes back as is). Under `jax.jit` the slices are computed
-    once per call, outside any loop the caller then runs; eagerly they are copies, so an owner
-    that runs many steps (the engine) unrolls once and keeps the result.
+    `layers` becomes a tuple of per-layer dicts (each leaf `a[i]`) and, for a tied model, the
+    output projection `embed.T` becomes its own `lm_head [E, V]` array; every other leaf is
+    shared. Idempotent. Under `jax.jit` the copies are made once per call, outside any loop the
+    caller then runs; eagerly they are made now, so an owner that runs many compiled steps (the
+    engine) converts once and keeps the result.
 
     Raises:
       ValueError: if the stacked leaves disagree on the number of layers.
     """
     layers = params["layers"]
-    if isinstance(layers, tuple | list):
+    unrolled = isinstance(layers, tuple | list)
+    if unrolled and "lm_head" in params:
         return params
-    counts = {leaf.shape[0] for leaf in jax.tree.leaves(layers)}
-    if len(counts) != 1:
-        raise ValueError(f"stacked layer leaves disagree on the layer count: {sorted(counts)}")
-    (n,) = counts
-    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)))
+    out = dict(params)
+    if not unrolled:
+        counts = {leaf.shape[0] for leaf in jax.tree.leaves(layers)}
+        if len(counts) != 1:
+            raise ValueError(f"stacked layer leaves disagree on the layer count: {sorted(counts)}")
+        (n,) = counts
+        out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
+    if "lm_head" not in out:
+        out["lm_head"] = jnp.asarray(out["embed"].T)  # a contiguous copy, not a view
+    return out
 
 
 def lm_head(params: dict):

@@ -14,7 +14,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.model.params import unstack_layers
+from jaxinfer.model.params import inference_layout
 from tests.helpers import random_params
 
 BLOCK = 8
@@ -64,7 +64,7 @@ def _run_chunked(cfg, params, seqs, chunk_sizes, decode_steps, seed=0):
 def test_paged_chunked_prefill_then_decode_matches_dense(name, form):
     cfg = ji.preset(name)
     params = random_params(cfg, seed=3)
-    paged_params = unstack_layers(params) if form == "unrolled" else params
+    paged_params = inference_layout(params) if form == "unrolled" else params
     rng = np.random.RandomState(0)
     lens = [41, 40, 37, 9]
     seqs = [rng.randint(0, cfg.vocab_size, n).tolist() for n in lens]

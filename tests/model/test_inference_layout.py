@@ -1,4 +1,4 @@
-"""The unrolled params form (`unstack_layers`) runs the same model as the stacked one."""
+"""The inference params layout (`inference_layout`) runs the same model as the stored one."""
 
 import functools
 
@@ -9,7 +9,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.model.params import LINEAR_NAMES, unstack_layers
+from jaxinfer.model.params import LINEAR_NAMES, inference_layout
 from jaxinfer.quant.formats import Int4Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from tests.helpers import random_params
@@ -51,14 +51,14 @@ def _quantized(params):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_unrolled_forward_equals_stacked(quantized):
-    cfg = ji.preset("tiny-qwen2")  # biases: every leaf kind is sliced
+    cfg = ji.preset("tiny-qwen2")  # biases and a tied head: every leaf kind is laid out
     params = random_params(cfg, seed=5)
     if quantized:
         params = _quantized(params)
     rng = np.random.RandomState(1)
     seqs = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (19, 6, 33)]
     (pre_s, dec_s), cache_s = _prefill_and_decode(cfg, params, seqs)
-    (pre_u, dec_u), cache_u = _prefill_and_decode(cfg, unstack_layers(params), seqs)
+    (pre_u, dec_u), cache_u = _prefill_and_decode(cfg, inference_layout(params), seqs)
     assert np.all(np.isfinite(pre_s)) and np.all(np.isfinite(dec_s))
     np.testing.assert_allclose(pre_u, pre_s, atol=1e-5, rtol=0)
     np.testing.assert_allclose(dec_u, dec_s, atol=1e-5, rtol=0)
@@ -66,29 +66,41 @@ def test_unrolled_forward_equals_stacked(quantized):
     np.testing.assert_allclose(np.asarray(cache_u.k), np.asarray(cache_s.k), atol=1e-5, rtol=0)
 
 
-def test_unstack_layers_slices_every_leaf():
+def test_inference_layout_slices_every_leaf():
     cfg = ji.preset("tiny-llama")
     params = _quantized(random_params(cfg, seed=2))
-    unrolled = unstack_layers(params)
+    unrolled = inference_layout(params)
     assert isinstance(unrolled["layers"], tuple) and len(unrolled["layers"]) == cfg.num_layers
     for i, lp in enumerate(unrolled["layers"]):
         assert isinstance(lp["wq"], Int4Weight)
         for got, want in zip(jax.tree.leaves(lp), jax.tree.leaves(params["layers"])):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want[i]))
     assert unrolled["embed"] is params["embed"]  # everything outside `layers` is shared
-    assert unstack_layers(unrolled) is unrolled  # idempotent
+    assert unrolled["lm_head"] is params["lm_head"]  # untied: the head is kept as it is
+    assert inference_layout(unrolled) is unrolled  # idempotent
 
 
-def test_unstack_layers_rejects_ragged_stack():
+def test_inference_layout_materialises_a_tied_head():
+    cfg = ji.preset("tiny-qwen2")
+    params = random_params(cfg, seed=4)
+    assert "lm_head" not in params
+    laid = inference_layout(params)
+    np.testing.assert_array_equal(np.asarray(laid["lm_head"]), np.asarray(params["embed"]).T)
+    assert laid["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
+    assert "lm_head" not in params  # the input is not modified
+    assert inference_layout(laid) is laid
+
+
+def test_inference_layout_rejects_ragged_stack():
     params = random_params(ji.preset("tiny-llama"))
     bad = dict(params, layers=dict(params["layers"], wq=params["layers"]["wq"][:1]))
     with pytest.raises(ValueError, match="layer count"):
-        unstack_layers(bad)
+        inference_layout(bad)
 
 
 def test_forward_rejects_wrong_layer_count():
     cfg = ji.preset("tiny-llama")
-    params = unstack_layers(random_params(cfg))
+    params = inference_layout(random_params(cfg))
     params = dict(params, layers=params["layers"][:-1])
     meta, _ = build_metadata([SeqChunk([1, 2, 3], 0, [1], "all")], BLOCK)
     with pytest.raises(ValueError, match="num_layers"):
