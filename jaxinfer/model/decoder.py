@@ -46,7 +46,7 @@ def forward(
 
     Args:
       params: the params pytree (dense or quantized linears), stacked or unrolled
-        (`jaxinfer.model.params.inference_layout`; the unrolled form is faster on a CPU).
+        (`jaxinfer.model.params.inference_layout`; faster inside a compiled decode loop).
       cfg: the model config (static).
       batch: the step's metadata; `batch.tokens [T]`.
       cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.

@@ -12,12 +12,13 @@ weight is `[in, out]`, applied as `x @ w`):
   final_norm  [E]
   lm_head     [E, V]        (absent with cfg.tie_word_embeddings)
 
-`inference_layout` gives the form the paged decode paths run on: the same leaves with `layers` a
+`inference_layout` gives the form the compiled decode loops run on: the same leaves with `layers` a
 tuple of L per-layer dicts (no leading axis), and a tied output projection materialised as its
-own `lm_head [E, V]`. `forward` takes either form. Both changes are about XLA on a CPU: a
-`lax.scan` over stacked weights slices (copies) every layer's weights at every step, three to
-four times a decode step's weight traffic; and `x @ embed.T` with more than one row (verification,
-batched decode) runs about twice as slow as the same product against a contiguous `[E, V]`.
+own `lm_head [E, V]`. `forward` takes either form. Both changes are about XLA on a CPU inside a
+compiled decode loop (`ji.generate`, the speculative loop): there a `lax.scan` over stacked
+weights slices (copies) every layer's weights at every step, three to four times a decode step's
+weight traffic, and `x @ embed.T` compiles to a slower product than one against a contiguous
+`[E, V]`. A program that runs one step per call (the engine's) measured no faster with it.
 """
 
 from __future__ import annotations
@@ -84,9 +85,8 @@ def inference_layout(params: dict) -> dict:
 
     `layers` becomes a tuple of per-layer dicts (each leaf `a[i]`) and, for a tied model, the
     output projection `embed.T` becomes its own `lm_head [E, V]` array; every other leaf is
-    shared. Idempotent. Under `jax.jit` the copies are made once per call, outside any loop the
-    caller then runs; eagerly they are made now, so an owner that runs many compiled steps (the
-    engine) converts once and keeps the result.
+    shared. Idempotent. Under `jax.jit` the copies are made once per call, outside the loop the
+    caller then runs; eagerly they are made now (and take memory beside the stored params).
 
     Raises:
       ValueError: if the stacked leaves disagree on the number of layers.
