@@ -69,6 +69,9 @@ _BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend.")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft_s", None, "SLO on TTFT (s); default: 8x unloaded.")
 _SLO_TPOT = flags.DEFINE_float("slo_tpot_s", None, "SLO on TPOT (s); default: 4x unloaded.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_MIN_TOKEN_BUCKET = flags.DEFINE_integer(
+    "min_token_bucket", ji.EngineConfig.min_token_bucket, "Engines' smallest padded T."
+)
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
 
@@ -91,6 +94,7 @@ class BenchConfig:
     slo_ttft_s: float | None  # None: derived from the unloaded engine
     slo_tpot_s: float | None
     seed: int
+    min_token_bucket: int  # engines' smallest padded T (fewer compilations vs. padded decodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +164,7 @@ def engine_config(bc: BenchConfig, system: str) -> ji.EngineConfig:
         backend=bc.backend,
         min_block_bucket=bucket(-(-bc.max_len // S)),  # M fixed: one compilation per T bucket
         min_seq_bucket=bc.max_num_seqs,  # B fixed
+        min_token_bucket=bc.min_token_bucket,
     )
 
 
@@ -307,6 +312,7 @@ def resolve_config(description: str) -> BenchConfig:
         slo_ttft_s=_SLO_TTFT.value,
         slo_tpot_s=_SLO_TPOT.value,
         seed=_SEED.value,
+        min_token_bucket=_MIN_TOKEN_BUCKET.value,
     )
 
 
