@@ -3,7 +3,9 @@
 The batches are the NaN-poisoned ones of the kernel tests (`ragged_attention_batch`): any key,
 value or scale outside a live context that leaked into the output would make it NaN. Extra
 padding rows change T / B and with it the query tile `_query_tile` picks, so the same batch is
-checked with tiles of 4, 8 and 16 rows, and a pure decode batch with tiles of one row.
+checked with tiles of 4, 8 and 16 rows, and a pure decode batch with tiles of one row. Each batch
+also runs with keys chunked by 32 instead of 128, so both the single-chunk path (no loop) and the
+online-softmax loop over several chunks are compared.
 """
 
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
+from jaxinfer.ops import attention as attention_ops
 from jaxinfer.ops.attention import (
     _query_tile,
     paged_attention,
@@ -40,9 +43,16 @@ def _pad_rows(args, extra: int):
 
 @pytest.mark.parametrize("block_size,heads,head_dim,kv_dtype,window", CASES)
 @pytest.mark.parametrize("extra_rows", [0, 40, 200])
-def test_matches_reference(block_size, heads, head_dim, kv_dtype, window, extra_rows):
+@pytest.mark.parametrize("keys_per_chunk", [128, 32])
+def test_matches_reference(
+    block_size, heads, head_dim, kv_dtype, window, extra_rows, keys_per_chunk, monkeypatch
+):
+    monkeypatch.setattr(attention_ops, "_KEYS_PER_CHUNK", keys_per_chunk)
     args, kw = ragged_attention_batch(block_size, heads, head_dim, kv_dtype, seed=head_dim)
     args = _pad_rows(args, extra_rows)
+    m = args[5].shape[1]
+    chunks = -(-m // max(1, min(m, keys_per_chunk // block_size)))
+    assert (chunks == 1) == (keys_per_chunk == 128)  # both paths of the op are taken
     out = paged_attention_xla(*args, **kw, sliding_window=window)
     ref = paged_attention_reference(*args, **kw, sliding_window=window)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype

@@ -255,8 +255,8 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         # Params as given. `inference_layout` pays off inside compiled loops (`ji.generate`, the
-        # speculative loop); for one compiled call per step it measured no faster (2-9% slower
-        # at batch 1-32 on the shipped target: the call handles 3x as many leaves).
+        # speculative loop); with one compiled call per step it measured 2-20% slower at batch
+        # 1-32 on the shipped target.
         self.cfg, self.params, self.config = cfg, params, config
         self.clock = clock
         S, nb = config.block_size, config.num_blocks

@@ -81,7 +81,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def inference_layout(params: dict) -> dict:
-    """The params laid out for the paged decode paths (see the module docstring).
+    """The params laid out for the compiled decode loops (see the module docstring).
 
     `layers` becomes a tuple of per-layer dicts (each leaf `a[i]`) and, for a tied model, the
     output projection `embed.T` becomes its own `lm_head [E, V]` array; every other leaf is
@@ -103,7 +103,7 @@ def inference_layout(params: dict) -> dict:
         (n,) = counts
         out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
     if "lm_head" not in out:
-        out["lm_head"] = jnp.asarray(out["embed"].T)  # a contiguous copy, not a view
+        out["lm_head"] = jnp.asarray(out["embed"].T)  # its own [E, V] array (jitted: a transpose)
     return out
 
 
