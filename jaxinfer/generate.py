@@ -28,7 +28,7 @@ from jaxinfer.cache.metadata import (
 from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
-from jaxinfer.model.params import inference_layout
+from jaxinfer.model.params import loop_layout
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 TRACE_COUNTS: collections.Counter = collections.Counter()  # name -> times traced (= compiled)
@@ -119,7 +119,7 @@ def _generate_core(
 ):
     TRACE_COUNTS["generate"] += 1
     b, m = tables.shape
-    params = inference_layout(params)  # sliced once, outside the decode loop
+    params = loop_layout(params)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
     first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len

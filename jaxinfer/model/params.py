@@ -19,6 +19,8 @@ compiled decode loop (`ji.generate`, the speculative loop): there a `lax.scan` o
 weights slices (copies) every layer's weights at every step, three to four times a decode step's
 weight traffic, and `x @ embed.T` compiles to a slower product than one against a contiguous
 `[E, V]`. A program that runs one step per call (the engine's) measured no faster with it.
+`loop_layout` applies it on a CPU only (the copy would double the weights' memory on a GPU,
+where it has not been measured).
 """
 
 from __future__ import annotations
@@ -105,6 +107,16 @@ def inference_layout(params: dict) -> dict:
     if "lm_head" not in out:
         out["lm_head"] = jnp.asarray(out["embed"].T)  # its own [E, V] array (jitted: a transpose)
     return out
+
+
+def loop_layout(params: dict) -> dict:
+    """`inference_layout(params)` when running on a CPU; `params` unchanged on other backends.
+
+    The compiled decode loops call this. The layout's gain was measured on XLA's CPU backend. On a
+    GPU the copy would double the weights' memory for the whole loop, and nothing has been
+    measured there yet.
+    """
+    return inference_layout(params) if jax.default_backend() == "cpu" else params
 
 
 def lm_head(params: dict):

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.generate import validate_requests
-from jaxinfer.model.params import inference_layout
+from jaxinfer.model.params import loop_layout
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.loop import (
     SpeculativeOutput,
@@ -90,8 +90,8 @@ def generate_with_log(
         target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
     )
     plan, tp, dp, inputs = prep.plan, prep.tparams, prep.dparams, prep.inputs
-    tp = inference_layout(tp)  # once: each phase call would otherwise slice the stacked weights
-    dp = None if dp is None else inference_layout(dp)
+    tp = loop_layout(tp)  # once, as the fused loop does: the phases then time the same layout
+    dp = None if dp is None else loop_layout(dp)
     state = prefill_run(prep)
     warm, t, q = draft_phase(tp, dp, state, inputs, plan=plan)
     jax.block_until_ready(verify_phase(tp, t, q, warm, inputs, plan=plan))

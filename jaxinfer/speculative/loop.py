@@ -50,7 +50,7 @@ from jaxinfer.cache.paged import PagedKVCache, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
-from jaxinfer.model.params import inference_layout
+from jaxinfer.model.params import loop_layout
 from jaxinfer.ops.argmax import argmax
 from jaxinfer.sampling import (
     SamplingBatch,
@@ -323,8 +323,8 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
 
 def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
     TRACE_COUNTS["loop"] += 1
-    tparams = inference_layout(tparams)  # sliced once, outside the cycle loop
-    dparams = None if dparams is None else inference_layout(dparams)
+    tparams = loop_layout(tparams)  # sliced once, outside the cycle loop
+    dparams = None if dparams is None else loop_layout(dparams)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
     limit = jnp.max(inputs.max_tokens)
 

@@ -9,7 +9,8 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.model.params import LINEAR_NAMES, inference_layout
+from jaxinfer.model import params as params_mod
+from jaxinfer.model.params import LINEAR_NAMES, inference_layout, loop_layout
 from jaxinfer.quant.formats import Int4Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from tests.helpers import random_params
@@ -105,3 +106,11 @@ def test_forward_rejects_wrong_layer_count():
     meta, _ = build_metadata([SeqChunk([1, 2, 3], 0, [1], "all")], BLOCK)
     with pytest.raises(ValueError, match="num_layers"):
         ji.forward(params, cfg, meta, ji.init_cache(cfg, 2, BLOCK))
+
+
+def test_loop_layout_only_on_a_cpu(monkeypatch):
+    params = random_params(ji.preset("tiny-llama"))
+    laid = loop_layout(params)
+    assert isinstance(laid["layers"], tuple)  # this suite runs on a CPU
+    monkeypatch.setattr(params_mod.jax, "default_backend", lambda: "gpu")
+    assert loop_layout(params) is params
