@@ -94,7 +94,8 @@ class BenchConfig:
     slo_ttft_s: float | None  # None: derived from the unloaded engine
     slo_tpot_s: float | None
     seed: int
-    min_token_bucket: int  # engines' smallest padded T (fewer compilations vs. padded decodes)
+    # Engines' smallest padded T (fewer compilations against padded decode steps).
+    min_token_bucket: int = ji.EngineConfig.min_token_bucket
 
 
 @dataclasses.dataclass(frozen=True)
