@@ -87,21 +87,28 @@ ATTENTION_BLOCK_TABLE: tuple[tuple[int, AttentionBlockSizes], ...] = (
 )
 
 
-def default_attention_block_sizes(num_tokens: int, num_seqs: int) -> AttentionBlockSizes:
+def default_attention_block_sizes(
+    num_tokens: int, num_seqs: int, head_dim: int = 128
+) -> AttentionBlockSizes:
     """The table entry for a batch of `num_tokens` query rows over `num_seqs` sequences.
 
     Args:
       num_tokens: T, rows of q (padding included).
       num_seqs: B, sequences (padding included).
+      head_dim: D. The table is sized for D <= 128; above that the key tile shrinks so that
+        block_kv x D stays at most 64 x 128 (at D = 256 the 64-key tiles spill registers on
+        sm_90: experiments/kernel_compile_check.py).
 
     Returns:
       The `AttentionBlockSizes` of the smallest mean-query-length class that holds T / B.
     """
     mean_q = -(-num_tokens // max(num_seqs, 1))
-    for max_q, sizes in ATTENTION_BLOCK_TABLE:
-        if mean_q <= max_q:
-            return sizes
-    return ATTENTION_BLOCK_TABLE[-1][1]
+    sizes = next((s for max_q, s in ATTENTION_BLOCK_TABLE if mean_q <= max_q), None)
+    sizes = sizes or ATTENTION_BLOCK_TABLE[-1][1]
+    if head_dim > 128:
+        block_kv = max(_MIN_DOT, sizes.block_kv * 128 // _next_pow2(head_dim))
+        sizes = dataclasses.replace(sizes, block_kv=block_kv)
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +450,7 @@ def ragged_paged_attention(
         the kernel reads layer `layer` in place, never copying it out. Like a block id it cannot
         be range-checked when traced; it is resolved as `k_pages[layer]` would be (negative counts
         from the end, out of range clamps), so it never reads outside the cache.
-      block_sizes: tile sizes; default from `default_attention_block_sizes(T, B)`.
+      block_sizes: tile sizes; default from `default_attention_block_sizes(T, B, D)`.
       interpret: run the kernel in the Pallas interpreter (CPU).
 
     Returns:
@@ -459,7 +466,7 @@ def ragged_paged_attention(
     if layer is not None:
         layer = _resolve_layer(layer, k_pages.shape[0]).reshape(1)  # [1] int32
     group = h // kv_heads
-    sizes = block_sizes or default_attention_block_sizes(t, b)
+    sizes = block_sizes or default_attention_block_sizes(t, b, d)
     plan = _plan(t, b, kv_heads, group, block_size, max_blocks, sizes)
 
     qg = q.reshape(t, kv_heads, group, d)  # [T, K, G, D]: a kv head's query heads side by side

@@ -10,6 +10,7 @@ axes below (checked by `test_attention_grid_is_pairwise`): every pair of values 
 appears in some case, instead of the full 2 * 3 * 3 * 3 * 3 * 3 * 2 product.
 """
 
+import dataclasses
 import itertools
 import math
 import re
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention
 from pallas_kernels.paged_attention import (
     AttentionBlockSizes,
     _resolve_layer,
@@ -127,6 +129,26 @@ def test_decode_batch_matches_reference():
     out = ragged_paged_attention(q, k, v, query_start, seq_lens, tables, interpret=True)
     ref = ragged_paged_attention_reference(q, k, v, query_start, seq_lens, tables)
     assert relative_error(out, ref) <= TOL["float32"]
+
+
+def test_wide_heads_take_narrower_key_tiles(monkeypatch):
+    """D > 128 halves the key tile per doubling of D (no spills on sm_90); D <= 128 is the table."""
+    for t, b in ((4, 4), (20, 4), (300, 2)):
+        base = default_attention_block_sizes(t, b)
+        assert default_attention_block_sizes(t, b, 64) == base
+        assert default_attention_block_sizes(t, b, 128) == base
+        wide = default_attention_block_sizes(t, b, 256)
+        assert wide.block_kv == base.block_kv // 2
+        assert dataclasses.replace(wide, block_kv=base.block_kv) == base
+        assert default_attention_block_sizes(t, b, 1024).block_kv == 16  # never below a dot
+    # The op picks the narrow tile by default and still matches the oracle.
+    planned = []
+    real_plan = paged_attention._plan
+    monkeypatch.setattr(paged_attention, "_plan", lambda *a: planned.append(a[-1]) or real_plan(*a))
+    args, kw = ragged_attention_batch(16, (4, 2), 256, "float32", seed=9)
+    out = ragged_paged_attention(*args, **kw, interpret=True)
+    assert [s.block_kv for s in planned] == [32]
+    assert relative_error(out, ragged_paged_attention_reference(*args, **kw)) <= TOL["float32"]
 
 
 # ----------------------------------------------------------------------------- stacked layers
