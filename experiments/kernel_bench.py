@@ -169,10 +169,13 @@ def check_correctness(on_gpu: bool) -> list[dict]:
         interp = run(True)
         row = {"case": name, "tolerance": tolerance, "interpret_vs_ref": _rel_err(interp, ref)}
         if on_gpu:
-            compiled = run(False)
-            row["compiled_vs_ref"] = _rel_err(compiled, ref)
-            row["compiled_vs_interpret"] = _rel_err(compiled, interp)
-        row["ok"] = all(
+            try:
+                compiled = run(False)
+                row["compiled_vs_ref"] = _rel_err(compiled, ref)
+                row["compiled_vs_interpret"] = _rel_err(compiled, interp)
+            except Exception as e:  # noqa: BLE001 (a case that does not compile is a failure)
+                row["error"] = f"{type(e).__name__}: {e}"[:4000]
+        row["ok"] = "error" not in row and all(
             v <= tolerance for key, v in row.items() if key.endswith(("_ref", "_interpret"))
         )
         print(("ok   " if row["ok"] else "FAIL ") + json.dumps(row))
@@ -339,10 +342,13 @@ def _table(results: dict) -> str:
                 f"{r['context']:>8} {r['batch']:>4} {r['paged_us']:>9.1f} {r['paged_gb_s']:>7.0f}"
                 f" {r['contiguous_us']:>10.1f} {r['contiguous_gb_s']:>7.0f} {r['overhead']:>6.2f}"
             )
-    ok = all(r["ok"] for r in results["correctness"])
-    lines.append(
-        f"correctness: {'all ok' if ok else 'FAILURES'} ({len(results['correctness'])} cases)"
-    )
+    if "correctness" in results:
+        ok = all(r["ok"] for r in results["correctness"])
+        lines.append(
+            f"correctness: {'all ok' if ok else 'FAILURES'} ({len(results['correctness'])} cases)"
+        )
+    for name, error in results.get("errors", {}).items():
+        lines.append(f"{name}: FAILED ({error.splitlines()[0][:200] if error else ''})")
     return "\n".join(lines)
 
 
@@ -369,18 +375,29 @@ def main(argv):
     on_gpu = cfg.platform == "gpu"
     print(f"device: {cfg.device_kind} ({cfg.platform}), jax {cfg.jax_version}")
 
-    results: dict = {"config": dataclasses.asdict(cfg), "correctness": check_correctness(on_gpu)}
+    results: dict = {"config": dataclasses.asdict(cfg), "errors": {}}
+    sections = [("correctness", lambda: check_correctness(on_gpu))]
     if not on_gpu:
         results["timing"] = "skipped: timings need a GPU (the kernels ran in interpret mode)"
         print("timings need a GPU: only the interpret-mode correctness check ran on", cfg.platform)
     elif not cfg.skip_timing:
-        results["copy"] = bench_copy(cfg)
-        results["int4"] = bench_int4(cfg)
-        results["attention"] = bench_attention(cfg)
-    with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+        sections += [
+            ("copy", lambda: bench_copy(cfg)),
+            ("int4", lambda: bench_int4(cfg)),
+            ("attention", lambda: bench_attention(cfg)),
+        ]
+    # One device run has to count: a section that fails is recorded and the others still run,
+    # and results.json is rewritten after every section.
+    for name, run in sections:
+        try:
+            results[name] = run()
+        except Exception as e:  # noqa: BLE001 (recorded, reported, and the exit status says so)
+            results["errors"][name] = f"{type(e).__name__}: {e}"[:4000]
+            print(f"FAIL {name}: {results['errors'][name]}")
+        with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
     print(_table(results))
-    if not all(r["ok"] for r in results["correctness"]):
+    if results["errors"] or not all(r["ok"] for r in results.get("correctness", [])):
         sys.exit(1)
 
 

@@ -3,7 +3,7 @@ r"""Compile every Pallas kernel configuration for an NVIDIA GPU, on a machine wi
     pip install "jax-cuda12-plugin==$(python -c 'import jax; print(jax.__version__)')" \
         "jax-cuda12-pjrt==$(python -c 'import jax; print(jax.__version__)')" \
         nvidia-cuda-nvcc-cu12 nvidia-cuda-nvdisasm
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python experiments/kernel_compile_check.py --workdir=/tmp/kcc
+    python experiments/kernel_compile_check.py --workdir=/tmp/kcc
 
 Interpret mode (the tests) proves what a kernel computes; it says nothing about whether Triton can
 compile it or what the compiled kernel costs. This script answers that much without a GPU, for
@@ -51,20 +51,22 @@ from jax._src.pallas.triton import pallas_call_registration  # noqa: E402
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, _ROOT)
+from experiments import kernel_bench  # noqa: E402
 from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
 from pallas_kernels.int8_matmul import int8_int8_matmul, int8_matmul  # noqa: E402
 from pallas_kernels.paged_attention import ragged_paged_attention  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/kernel_compile_check", "Where results go.")
+# The bench's own flags: --workdir, and --int4_m / --contexts / --batches choose what is compiled.
 _ARCH = flags.DEFINE_string("arch", "9.0", "Compute capability to compile for.")
 _SMEM_LIMIT = flags.DEFINE_integer("smem_limit", 227 * 1024, "Shared memory a block may use.")
 _MODEL = flags.DEFINE_bool("model", True, "Also compile the shipped model's kernel calls.")
 
-# The shapes experiments/kernel_bench.py times.
-LLAMA2_7B_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N)
-BENCH_M = (1, 4, 16, 64, 256)
-CONTEXTS, BATCHES = (512, 4096, 32768), (1, 16, 64)
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B heads, 16-token pages
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = (
+    kernel_bench.ATTN_HEADS,
+    kernel_bench.ATTN_KV_HEADS,
+    kernel_bench.ATTN_HEAD_DIM,
+    kernel_bench.ATTN_BLOCK,
+)
 
 
 def _spec(shape, dtype):
@@ -122,13 +124,15 @@ def attention_case(
     return lambda *a: ragged_paged_attention(*a, sliding_window=window), args
 
 
-def bench_cases() -> list[tuple[str, object, list]]:
+def bench_cases(int4_m, contexts, batches) -> list[tuple[str, object, list]]:
+    """What `kernel_bench.py` times with the same flags."""
     cases = []
-    for k, n in LLAMA2_7B_SHAPES:
-        for m in BENCH_M:
-            cases.append((f"int4 bench M={m} {k}x{n} bf16 G=128", *int4_case(m, k, n)))
-    for c in CONTEXTS:
-        for b in BATCHES:
+    g = kernel_bench.GROUP
+    for k, n in kernel_bench.LLAMA2_7B_SHAPES:
+        for m in int4_m:
+            cases.append((f"int4 bench M={m} {k}x{n} bf16 G={g}", *int4_case(m, k, n, g)))
+    for c in contexts:
+        for b in batches:
             cases.append((f"attention bench decode ctx={c} B={b} bf16", *attention_case(b, b, c)))
     return cases
 
@@ -403,7 +407,11 @@ def main(argv):
         )
     ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
     print(f"jax {jax.__version__}, arch {_ARCH.value}, ptxas {ptxas}, nvdisasm {nvdisasm}")
-    cases = bench_cases() + extra_cases() + (model_cases() if _MODEL.value else [])
+    flag_values = flags.FLAGS
+    sizes = [
+        [int(v) for v in flag_values[name].value] for name in ("int4_m", "contexts", "batches")
+    ]
+    cases = bench_cases(*sizes) + extra_cases() + (model_cases() if _MODEL.value else [])
     rows, seen = [], {}
     for case, fn, args in cases:
         kernels = capture_triton(fn, args)
@@ -420,8 +428,8 @@ def main(argv):
             row["problems"] = problems(row, _SMEM_LIMIT.value)
             print(("ok   " if not row["problems"] else "FAIL ") + json.dumps(row))
             rows.append(row)
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    with open(os.path.join(_WORKDIR.value, "compile_check.json"), "w") as f:
+    os.makedirs(flags.FLAGS.workdir, exist_ok=True)
+    with open(os.path.join(flags.FLAGS.workdir, "compile_check.json"), "w") as f:
         json.dump({"jax": jax.__version__, "arch": _ARCH.value, "rows": rows}, f, indent=2)
     print(_table(rows))
     bad = [r for r in rows if r["problems"]]
