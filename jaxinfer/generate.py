@@ -25,7 +25,7 @@ from jaxinfer.cache.metadata import (
     build_metadata,
     contiguous_block_tables,
 )
-from jaxinfer.cache.paged import init_cache
+from jaxinfer.cache.paged import check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import loop_layout
@@ -197,10 +197,14 @@ def generate(
       One GenerationOutput per prompt, in order.
     """
     sampling = validate_requests(cfg, prompts, sampling)
+    block_size = check_block_size(block_size)
     pad_to = dict(pad_to or {})
     unknown = set(pad_to) - {"seqs", "tokens", "blocks", "new_tokens"}
     if unknown:
         raise ValueError(f"pad_to has unknown keys {sorted(unknown)}")
+    for key, value in pad_to.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"pad_to[{key!r}]={value!r} is invalid: expected an int >= 1")
     n = len(prompts)
     b = bucket(n, pad_to.get("seqs", 1))
     lens = [len(p) for p in prompts]

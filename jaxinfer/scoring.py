@@ -27,6 +27,15 @@ def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
     Returns:
       `[B, S, V]` float32 logits. Raises ValueError for a bad shape or out-of-vocabulary id.
     """
+    if (
+        isinstance(tokens, list | tuple)
+        and len({len(r) for r in tokens if hasattr(r, "__len__")}) > 1
+    ):
+        lengths = sorted({len(r) for r in tokens})
+        raise ValueError(
+            f"tokens must be a rectangular [B, S] array; got rows of lengths {lengths} "
+            "(score equal-length rows together, or one row per call)"
+        )
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.size == 0:
         raise ValueError(f"tokens must be a non-empty [B, S] int array, got {tokens.shape}")

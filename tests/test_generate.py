@@ -119,6 +119,12 @@ def test_bad_input_raises(params, prompts, sp, match):
         ji.generate(CFG, params, prompts, sp)
 
 
+@pytest.mark.parametrize("block_size", [0, -16, True, 2.5, "16"])
+def test_bad_block_size_raises(params, block_size):
+    with pytest.raises(ValueError, match=f"block_size={block_size!r} is invalid"):
+        ji.generate(CFG, params, [[1, 2]], ji.SamplingParams(max_tokens=2), block_size=block_size)
+
+
 def test_pad_to_fixes_shapes_across_batches(params):
     sp = ji.SamplingParams(temperature=0, max_tokens=6)
     pad = {"seqs": 4, "blocks": 4, "new_tokens": 16, "tokens": 64}
@@ -131,3 +137,6 @@ def test_pad_to_fixes_shapes_across_batches(params):
     assert TRACE_COUNTS["generate"] == before
     with pytest.raises(ValueError, match="unknown keys"):
         ji.generate(CFG, params, [[1]], sp, pad_to={"batch": 4})
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match=rf"pad_to\['seqs'\]={bad!r} is invalid"):
+            ji.generate(CFG, params, [[1]], sp, pad_to={"seqs": bad})

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 
@@ -42,6 +43,19 @@ class PagedKVCache:
         return sum(x.size * x.dtype.itemsize for x in leaves)
 
 
+def check_block_size(block_size) -> int:
+    """`block_size` as an int, or ValueError naming it: the boundary check of every entry point.
+
+    Any S >= 1 is valid for the XLA and reference backends; the Pallas kernel also needs a
+    power of two (it says so itself).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
+        raise ValueError(f"block_size={block_size!r} is invalid: expected an int >= 1")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size!r} is invalid: expected an int >= 1")
+    return int(block_size)
+
+
 def init_cache(
     cfg: ModelConfig,
     num_blocks: int,
@@ -60,11 +74,9 @@ def init_cache(
     """
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
-    if num_blocks < 2 or block_size < 1:
-        raise ValueError(
-            f"need num_blocks >= 2 (block 0 is reserved) and block_size >= 1, got "
-            f"num_blocks={num_blocks}, block_size={block_size}"
-        )
+    block_size = check_block_size(block_size)
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks={num_blocks!r} is invalid: need >= 2 (block 0 is reserved)")
     shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
     if kv_format == "float":
         store = jnp.dtype(dtype or cfg.dtype)

@@ -46,7 +46,7 @@ from jaxinfer.cache.metadata import (
     build_metadata,
     contiguous_block_tables,
 )
-from jaxinfer.cache.paged import PagedKVCache, init_cache
+from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
@@ -406,6 +406,7 @@ def prepare_run(
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"target[0] must be a ModelConfig, got {type(cfg).__name__}")
     gamma = _check_gamma(gamma)
+    block_size = check_block_size(block_size)
     if acceptance not in ACCEPTANCE_MODES:
         raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
     if isinstance(ngram_max, bool) or not isinstance(ngram_max, int) or ngram_max < 1:

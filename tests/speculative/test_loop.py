@@ -305,6 +305,8 @@ def test_ngram_proposals():
         (dict(gamma=0), "gamma must be an int >= 1"),
         (dict(gamma=True), "gamma must be an int >= 1"),
         (dict(acceptance="typical"), "acceptance='typical'"),
+        (dict(block_size=0), "block_size=0 is invalid"),
+        (dict(block_size=True), "block_size=True is invalid"),
         (dict(draft=(CFG.replace(vocab_size=64), None)), "draft vocab_size 64 .* vocab_size 128"),
         (dict(draft="medusa"), "'ngram'"),
         (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
