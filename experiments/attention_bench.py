@@ -43,13 +43,15 @@ _BACKENDS = flags.DEFINE_list("backends", ["xla", "reference"], "Backends; the f
 _CACHE_BLOCKS = flags.DEFINE_list(
     "cache_blocks", ["1025", "8193"], "KV pool sizes in blocks (raised to what a batch needs)."
 )
-_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "B: sequence rows of a step.")
-_MAX_BLOCKS = flags.DEFINE_integer("max_blocks", 32, "M: blocks per sequence row.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "S: tokens per block.")
-_CONTEXT = flags.DEFINE_integer("context", 300, "Context of each decoding sequence.")
-_CHUNK = flags.DEFINE_integer("chunk", 128, "Prefill chunk of the mixed batch.")
-_PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt of the prefill batch.")
-_REPS = flags.DEFINE_integer("reps", 30, "Timed steps per backend (median reported).")
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "B: sequence rows of a step.", lower_bound=1)
+_MAX_BLOCKS = flags.DEFINE_integer("max_blocks", 32, "M: blocks per sequence row.", lower_bound=1)
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "S: tokens per block.", lower_bound=1)
+_CONTEXT = flags.DEFINE_integer("context", 300, "Context of each decoding sequence.", lower_bound=1)
+_CHUNK = flags.DEFINE_integer("chunk", 128, "Prefill chunk of the mixed batch.", lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt of the prefill batch.", lower_bound=1)
+_REPS = flags.DEFINE_integer(
+    "reps", 30, "Timed steps per backend (median reported).", lower_bound=1
+)
 
 
 def _batches(b: int, m: int, s: int) -> dict:

@@ -28,9 +28,11 @@ import jaxinfer as ji
 _MODEL = flags.DEFINE_string("model", None, "HF dir; default: a random bench-5m model.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median reported).")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens.", lower_bound=1)
+_NEW_TOKENS = flags.DEFINE_integer(
+    "new_tokens", 64, "Generated tokens per sequence.", lower_bound=1
+)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median reported).", lower_bound=1)
 
 
 def _median_time(fn, repeats):

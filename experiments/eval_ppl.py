@@ -35,9 +35,13 @@ from jaxinfer.checkpoint import load_checkpoint  # noqa: E402
 _MODEL = flags.DEFINE_string("model", "", "HF dir of the model; empty: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", "", "Optional HF dir of a draft model to compare.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", jeval.EVAL_TOKENS, "Test-stream token budget.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", jeval.EVAL_SEQ_LEN, "Window length.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", jeval.EVAL_BATCH_SIZE, "Windows per forward.")
+_MAX_TOKENS = flags.DEFINE_integer(
+    "max_tokens", jeval.EVAL_TOKENS, "Test-stream token budget.", lower_bound=1
+)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", jeval.EVAL_SEQ_LEN, "Window length.", lower_bound=2)
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", jeval.EVAL_BATCH_SIZE, "Windows per forward.", lower_bound=1
+)
 _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", "", "Cache for the tokenized train stream (unigram counts); default --workdir."
 )

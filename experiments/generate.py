@@ -17,12 +17,12 @@ import jaxinfer as ji
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint dir; default: the shipped target.")
 _PROMPT = flags.DEFINE_string("prompt", "def fib(n):", "Prompt text.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.", lower_bound=0)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off.")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
 _BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend: auto|reference|pallas.")
 
 

@@ -61,10 +61,16 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kernel_bench", "Where results ar
 _INT4_M = flags.DEFINE_list("int4_m", ["1", "4", "16", "64", "256"], "Rows of x.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["512", "4096", "32768"], "Attention context lengths.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "16", "64"], "Attention decode batch sizes.")
-_REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions (the median is reported).")
-_INNER = flags.DEFINE_integer("inner", 10, "Back-to-back calls per repetition.")
-_ROTATE_MIB = flags.DEFINE_integer("rotate_mib", 512, "Minimum bytes of rotated inputs.")
-_COPY_MIB = flags.DEFINE_integer("copy_mib", 1024, "Size of the bandwidth-ceiling stream.")
+_REPS = flags.DEFINE_integer(
+    "reps", 20, "Timed repetitions (the median is reported).", lower_bound=1
+)
+_INNER = flags.DEFINE_integer("inner", 10, "Back-to-back calls per repetition.", lower_bound=1)
+_ROTATE_MIB = flags.DEFINE_integer(
+    "rotate_mib", 512, "Minimum bytes of rotated inputs.", lower_bound=1
+)
+_COPY_MIB = flags.DEFINE_integer(
+    "copy_mib", 1024, "Size of the bandwidth-ceiling stream.", lower_bound=1
+)
 _SKIP_TIMING = flags.DEFINE_bool("skip_timing", False, "Run only the correctness part.")
 
 LLAMA2_7B_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N): qkv/o, up/gate, down

@@ -58,7 +58,9 @@ from pallas_kernels.paged_attention import ragged_paged_attention  # noqa: E402
 
 # The bench's own flags: --workdir, and --int4_m / --contexts / --batches choose what is compiled.
 _ARCH = flags.DEFINE_string("arch", "9.0", "Compute capability to compile for.")
-_SMEM_LIMIT = flags.DEFINE_integer("smem_limit", 227 * 1024, "Shared memory a block may use.")
+_SMEM_LIMIT = flags.DEFINE_integer(
+    "smem_limit", 227 * 1024, "Shared memory a block may use.", lower_bound=1
+)
 _MODEL = flags.DEFINE_bool("model", True, "Also compile the shipped model's kernel calls.")
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = (

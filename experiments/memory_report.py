@@ -32,10 +32,14 @@ _WEIGHTS = flags.DEFINE_list(
     "weight_formats", ["bf16", "w8", "w4g128", "w3g128"], "Weight formats (see memory.py)."
 )
 _KV = flags.DEFINE_list("kv_formats", ["bf16", "int8", "fp8"], "KV-cache formats.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence (prompt + output).")
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", 4096, "Tokens per sequence (prompt + output).", lower_bound=1
+)
 _GPU_GIB = flags.DEFINE_float("gpu_gib", 80.0, "GPU memory in GiB (H100 80 GB: 80; H200: 141).")
 _RESERVE_GIB = flags.DEFINE_float("reserve_gib", 2.0, "Workspace kept out of the KV budget.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "KV block size (sequences hold whole blocks).")
+_BLOCK_SIZE = flags.DEFINE_integer(
+    "block_size", 16, "KV block size (sequences hold whole blocks).", lower_bound=1
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
 flags.mark_flag_as_required("workdir")
 

@@ -39,9 +39,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/pipeline", "Output directory.")
 _MODEL = flags.DEFINE_string("model", None, "Target HF dir; default: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft HF dir; default: the shipped draft.")
 _EVAL_TOKENS = flags.DEFINE_integer(
-    "eval_tokens", ji_eval.EVAL_TOKENS, "Test-split token budget for perplexity."
+    "eval_tokens", ji_eval.EVAL_TOKENS, "Test-split token budget for perplexity.", lower_bound=1
 )
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Tokens per sample completion.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Tokens per sample completion.", lower_bound=1)
 _STAGES = flags.DEFINE_list(
     "stages", ["quality", "quantization", "memory", "serving", "speculative"], "Stages to run."
 )

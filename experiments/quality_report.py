@@ -598,10 +598,14 @@ def _define_flags():
     flags.DEFINE_string("model", None, "HF dir or shipped model name; default: the target.")
     flags.DEFINE_string("workdir", None, "Where the report goes.")
     flags.DEFINE_bool("quick", False, "Small budget: 8,192 test tokens, 32 calib sequences.")
-    flags.DEFINE_integer("calib_sequences", None, "Calibration sequences (default 128; quick 32).")
-    flags.DEFINE_integer("calib_seq_len", 256, "Tokens per calibration sequence.")
-    flags.DEFINE_integer("eval_tokens", None, "Test-stream token budget (default 65,536).")
-    flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.")
+    flags.DEFINE_integer(
+        "calib_sequences", None, "Calibration sequences (default 128; quick 32).", lower_bound=1
+    )
+    flags.DEFINE_integer("calib_seq_len", 256, "Tokens per calibration sequence.", lower_bound=1)
+    flags.DEFINE_integer(
+        "eval_tokens", None, "Test-stream token budget (default 65,536).", lower_bound=1
+    )
+    flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.", lower_bound=0)
     flags.DEFINE_bool("gptq_true_sequential", False, "GPTQ rows: QuantConfig.true_sequential.")
     flags.mark_flag_as_required("workdir")
     return flags.FLAGS

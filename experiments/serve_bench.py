@@ -53,24 +53,36 @@ _QUICK = flags.DEFINE_boolean("quick", False, "A ~1 minute run: short requests, 
 _WORKLOADS = flags.DEFINE_list(
     "workloads", ["sharegpt", "shared_prefix", "long_prompt"], "Workloads to run."
 )
-_NUM_REQUESTS = flags.DEFINE_integer("num_requests", None, "Requests per rate (default 40/12).")
+_NUM_REQUESTS = flags.DEFINE_integer(
+    "num_requests", None, "Requests per rate (default 40/12).", lower_bound=1
+)
 _RATES = flags.DEFINE_list("rates", [], "Request rates (req/s); empty: --rate_fractions.")
 _RATE_FRACTIONS = flags.DEFINE_list(
     "rate_fractions", ["0.5", "1.0", "2.0"], "Rates as fractions of the engine's capacity."
 )
-_MAX_LEN = flags.DEFINE_integer("max_len", None, "Longest prompt + output (default 512/128).")
-_KV_SLOTS = flags.DEFINE_integer("kv_slots", None, "KV token slots of every system (8 max_len).")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Engine KV block size.")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Engine batch rows.")
+_MAX_LEN = flags.DEFINE_integer(
+    "max_len", None, "Longest prompt + output (default 512/128).", lower_bound=1
+)
+_KV_SLOTS = flags.DEFINE_integer(
+    "kv_slots", None, "KV token slots of every system (8 max_len).", lower_bound=1
+)
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Engine KV block size.", lower_bound=1)
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Engine batch rows.", lower_bound=1)
 _CHUNK_BUDGET = flags.DEFINE_integer(
-    "chunk_budget", None, "Token budget per step with chunked prefill (default max_len/4)."
+    "chunk_budget",
+    None,
+    "Token budget per step with chunked prefill (default max_len/4).",
+    lower_bound=1,
 )
 _BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend.")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft_s", None, "SLO on TTFT (s); default: 8x unloaded.")
 _SLO_TPOT = flags.DEFINE_float("slo_tpot_s", None, "SLO on TPOT (s); default: 4x unloaded.")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
 _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
-    "min_token_bucket", ji.EngineConfig.min_token_bucket, "Engines' smallest padded T."
+    "min_token_bucket",
+    ji.EngineConfig.min_token_bucket,
+    "Engines' smallest padded T.",
+    lower_bound=1,
 )
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")

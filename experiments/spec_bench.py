@@ -76,11 +76,15 @@ _GAMMAS = flags.DEFINE_list("gammas", ["1", "2", "3", "4", "6", "8"], "Drafted t
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _DRAFTERS = flags.DEFINE_list("drafters", ["model", "ngram"], "Drafters: model, ngram.")
 _ACCEPTANCE = flags.DEFINE_list("acceptance", ["rejection", "coupled"], "Acceptance modes.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Generated tokens per sequence.")
+_MAX_TOKENS = flags.DEFINE_integer(
+    "max_tokens", 64, "Generated tokens per sequence.", lower_bound=2
+)
 _PROMPT_LEN = flags.DEFINE_list("prompt_len", ["64", "128"], "Prompt window length range.")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs after the warm-up (best kept).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 2, "Timed runs after the warm-up (best kept).", lower_bound=1
+)
 _TRANSFORMERS = flags.DEFINE_bool("transformers", True, "Also time transformers baselines.")
-_SEED = flags.DEFINE_integer("seed", 0, "Prompt selection and sampling seeds.")
+_SEED = flags.DEFINE_integer("seed", 0, "Prompt selection and sampling seeds.", lower_bound=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,15 +41,25 @@ _CONFIG = flags.DEFINE_enum("config", "target", NAMES, "Which experiments/config
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (checkpoints, curves, config).")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Write the final HF directory here.")
 _TEACHER = flags.DEFINE_string("teacher", "", "HF dir of the distillation teacher; empty: LM loss.")
-_STEPS = flags.DEFINE_integer("steps", None, "Override TrainConfig.steps.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Override TrainConfig.batch_size.")
+_STEPS = flags.DEFINE_integer("steps", None, "Override TrainConfig.steps.", lower_bound=1)
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", None, "Override TrainConfig.batch_size.", lower_bound=1
+)
 _PEAK_LR = flags.DEFINE_float("peak_lr", None, "Override TrainConfig.peak_lr.")
-_WARMUP = flags.DEFINE_integer("warmup_steps", None, "Override TrainConfig.warmup_steps.")
-_SEED = flags.DEFINE_integer("seed", None, "Override TrainConfig.seed.")
+_WARMUP = flags.DEFINE_integer(
+    "warmup_steps", None, "Override TrainConfig.warmup_steps.", lower_bound=0
+)
+_SEED = flags.DEFINE_integer("seed", None, "Override TrainConfig.seed.", lower_bound=0)
 _KD_WEIGHT = flags.DEFINE_float("kd_weight", None, "Override TrainConfig.kd_weight.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Override TrainConfig.eval_every.")
-_CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", None, "Override checkpoint_every.")
-_STOP_AFTER = flags.DEFINE_integer("stop_after", None, "Stop after this many steps (no export).")
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", None, "Override TrainConfig.eval_every.", lower_bound=1
+)
+_CKPT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", None, "Override checkpoint_every.", lower_bound=1
+)
+_STOP_AFTER = flags.DEFINE_integer(
+    "stop_after", None, "Stop after this many steps (no export).", lower_bound=1
+)
 flags.mark_flag_as_required("workdir")
 
 
