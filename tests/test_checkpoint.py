@@ -114,6 +114,22 @@ def test_save_refuses_non_float_params(tmp_path):
         ji.save_checkpoint(str(tmp_path / "x"), CFG, params)
 
 
+@pytest.mark.parametrize(
+    "other, match",
+    [
+        (CFG.replace(hidden_size=2 * CFG.hidden_size), r"params\['embed'\] has shape"),
+        (CFG.replace(num_layers=CFG.num_layers + 1), r"params\['layers'\]\['.*'\] has shape"),
+        (ji.preset("tiny-llama"), "structure init_params"),  # no biases
+    ],
+)
+def test_save_refuses_params_of_another_config_and_writes_nothing(tmp_path, other, match):
+    params = random_params(CFG, seed=1)
+    path = tmp_path / "x"
+    with pytest.raises(ValueError, match=match):
+        ji.save_checkpoint(str(path), other, params)
+    assert not path.exists()
+
+
 def test_tokenizer_saved_and_loaded(tmp_path):
     from jaxinfer.data import load_tokenizer as shipped_tokenizer
 
