@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
-from jaxinfer.model.params import param_shapes
+from jaxinfer.model.params import check_params, param_shapes
 
 # jaxinfer layer leaf -> (HF name inside `model.layers.{i}.`, transposed?)
 _LAYER_NAMES = {
@@ -174,23 +174,14 @@ def save_checkpoint(
                 "save_checkpoint writes dense float params only; use jaxinfer.quant.save for "
                 f"quantized params (found a leaf of dtype {getattr(leaf, 'dtype', type(leaf))})"
             )
-    # Every tensor is checked against cfg before anything is written: a params pytree of another
-    # config would otherwise leave a directory whose weights contradict its config.json.
-    want = param_shapes(cfg)
-    want_tree = jax.tree_util.tree_structure(want)
-    if jax.tree_util.tree_structure(params) != want_tree:
+    # Checked against cfg before anything is written: a params pytree of another config would
+    # otherwise leave a directory whose weights contradict its config.json.
+    check_params(cfg, params)
+    if not isinstance(params["layers"], dict) or (cfg.tie_word_embeddings and "lm_head" in params):
         raise ValueError(
-            "params do not have the structure init_params(cfg) gives: got "
-            f"{jax.tree_util.tree_structure(params)}, expected {want_tree}"
+            "save_checkpoint writes the stored params layout (stacked layers; a tied model "
+            "without its own lm_head), not ji.inference_layout's"
         )
-    for (key_path, leaf), spec in zip(
-        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(want)
-    ):
-        if tuple(leaf.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"params{jax.tree_util.keystr(key_path)} has shape {tuple(leaf.shape)}; the "
-                f"config expects {tuple(spec.shape)}"
-            )
     os.makedirs(path, exist_ok=True)
     out: dict[str, np.ndarray] = {}
     for key, (hf_name, transposed) in _hf_names(cfg).items():

@@ -32,6 +32,7 @@ from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_t
 from jaxinfer.cache.paged import KV_FORMATS, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward, forward_dense
+from jaxinfer.model.params import check_params
 from jaxinfer.ops.argmax import argmax
 
 EVAL_TOKENS = 65_536  # the standard token budget: the first 64 Ki tokens of the test stream
@@ -183,6 +184,7 @@ def lm_stats(
     Returns:
       The LMStats (`.perplexity = exp(nll)`).
     """
+    check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
     ce_sum, correct = 0.0, 0
     for real, batch in _batches(windows, batch_size, "eval", progress):
@@ -391,6 +393,7 @@ def lm_stats_paged(
         raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
     _check_kv_format(kv_format)
     _check_sizes(block_size, batch_size)
+    check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
     logits_of = _logits_fn(cfg, params, kv_format, block_size, backend, batch_size)
     ce_sum, correct = 0.0, 0
@@ -465,6 +468,10 @@ def compare_to_reference(
                 f"{where}: vocab_size {cfg.vocab_size} differs from the reference's "
                 f"{reference[0].vocab_size}"
             )
+        try:
+            check_params(cfg, params)
+        except ValueError as e:
+            raise ValueError(f"{where or 'reference'}: {e}") from None
         models.append((cfg, _logits_fn(cfg, params, kv, block_size, backend, batch_size)))
     windows = _as_windows(reference[0], tokens, seq_len, max_tokens)
     for cfg, _ in models[1:]:

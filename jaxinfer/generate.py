@@ -28,7 +28,7 @@ from jaxinfer.cache.metadata import (
 from jaxinfer.cache.paged import check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
-from jaxinfer.model.params import loop_layout
+from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 TRACE_COUNTS: collections.Counter = collections.Counter()  # name -> times traced (= compiled)
@@ -197,6 +197,7 @@ def generate(
       One GenerationOutput per prompt, in order.
     """
     sampling = validate_requests(cfg, prompts, sampling)
+    check_params(cfg, params)
     block_size = check_block_size(block_size)
     pad_to = dict(pad_to or {})
     unknown = set(pad_to) - {"seqs", "tokens", "blocks", "new_tokens"}

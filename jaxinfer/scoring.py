@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward_dense
+from jaxinfer.model.params import check_params
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -36,6 +37,7 @@ def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
             f"tokens must be a rectangular [B, S] array; got rows of lengths {lengths} "
             "(score equal-length rows together, or one row per call)"
         )
+    check_params(cfg, params)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.size == 0:
         raise ValueError(f"tokens must be a non-empty [B, S] int array, got {tokens.shape}")

@@ -117,9 +117,9 @@ def test_save_refuses_non_float_params(tmp_path):
 @pytest.mark.parametrize(
     "other, match",
     [
-        (CFG.replace(hidden_size=2 * CFG.hidden_size), r"params\['embed'\] has shape"),
-        (CFG.replace(num_layers=CFG.num_layers + 1), r"params\['layers'\]\['.*'\] has shape"),
-        (ji.preset("tiny-llama"), "structure init_params"),  # no biases
+        (CFG.replace(hidden_size=2 * CFG.hidden_size), r"shape mismatch at embed"),
+        (CFG.replace(num_layers=CFG.num_layers + 1), r"shape mismatch at layers/"),
+        (ji.preset("tiny-llama"), r"params has keys"),  # untied, no biases
     ],
 )
 def test_save_refuses_params_of_another_config_and_writes_nothing(tmp_path, other, match):
@@ -128,6 +128,13 @@ def test_save_refuses_params_of_another_config_and_writes_nothing(tmp_path, othe
     with pytest.raises(ValueError, match=match):
         ji.save_checkpoint(str(path), other, params)
     assert not path.exists()
+
+
+def test_save_refuses_the_inference_layout(tmp_path):
+    params = ji.inference_layout(random_params(CFG, seed=1))
+    with pytest.raises(ValueError, match="stored params layout"):
+        ji.save_checkpoint(str(tmp_path / "x"), CFG, params)
+    assert not (tmp_path / "x").exists()
 
 
 def test_tokenizer_saved_and_loaded(tmp_path):

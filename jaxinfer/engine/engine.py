@@ -47,6 +47,7 @@ from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from jaxinfer.generate import GenerationOutput, validate_requests
 from jaxinfer.model.decoder import forward
+from jaxinfer.model.params import check_params
 from jaxinfer.ops.attention import BACKENDS
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
@@ -254,6 +255,7 @@ class Engine:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        check_params(cfg, params)
         # Params as given. `inference_layout` pays off inside compiled loops (`ji.generate`, the
         # speculative loop); with one compiled call per step it measured 2-20% slower at batch
         # 1-32 on the shipped target.

@@ -25,10 +25,13 @@ where it has not been measured).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quant.formats import Int4Weight, Int8Weight
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -75,6 +78,69 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
     if not cfg.tie_word_embeddings:
         params["lm_head"] = (std * jax.random.normal(keys[-1], (e, v), jnp.float32)).astype(dt)
     return params
+
+
+def check_params(cfg: ModelConfig, params) -> None:
+    """Raises ValueError naming the first key or leaf shape of `params` that disagrees with `cfg`.
+
+    The boundary check of every entry point that takes (cfg, params): without it a mismatched
+    pair fails deep inside a trace with a reshape or scan error. Takes the stored form and
+    `inference_layout`'s. Dense leaves must match `param_shapes(cfg)`; a quantized weight must
+    have the `(in, out)` and the leading axes of the dense leaf it replaces. A tied model may
+    carry its own `lm_head` (a quantized head, or the inference layout's copy).
+    """
+    if not isinstance(params, dict) or not isinstance(params.get("layers"), dict | tuple | list):
+        raise ValueError(
+            f"params must be a dict with a 'layers' entry (init_params' pytree), got "
+            f"{type(params).__name__}"
+        )
+    want = _cached_shapes(cfg)
+    layers = params["layers"]
+    unrolled = isinstance(layers, tuple | list)
+    if unrolled and len(layers) != cfg.num_layers:
+        raise ValueError(f"params hold {len(layers)} layers, cfg.num_layers={cfg.num_layers}")
+    _check_keys(set(params), set(want), {"lm_head"}, "params")
+    for layer in layers if unrolled else (layers,):
+        _check_keys(set(layer), set(want["layers"]), set(), "params['layers']")
+
+    for key, spec in want.items():
+        if key != "layers":
+            _check_leaf(key, spec.shape, params[key])
+    for key, spec in want["layers"].items():
+        if unrolled:
+            for i, layer in enumerate(layers):
+                _check_leaf(f"layers[{i}]/{key}", spec.shape[1:], layer[key])
+        else:
+            _check_leaf(f"layers/{key}", spec.shape, layers[key])
+    if "lm_head" in params and "lm_head" not in want:
+        _check_leaf("lm_head", (cfg.hidden_size, cfg.vocab_size), params["lm_head"])
+
+
+def _check_keys(got: set, expected: set, extra_ok: set, where: str) -> None:
+    if expected - got or got - expected - extra_ok:
+        raise ValueError(
+            f"{where} has keys {sorted(got)}; the model config implies {sorted(expected)}"
+        )
+
+
+def _check_leaf(name: str, expected: tuple, leaf) -> None:
+    expected = tuple(expected)
+    if isinstance(leaf, Int4Weight | Int8Weight):
+        lead, inner = expected[:-2], expected[-2:]
+        arr = leaf.packed if isinstance(leaf, Int4Weight) else leaf.q
+        if tuple(leaf.shape) != inner or tuple(arr.shape[:-2]) != lead:
+            raise ValueError(
+                f"shape mismatch at {name}: quantized weight of shape {leaf.shape} with leading "
+                f"axes {tuple(arr.shape[:-2])}; the model config implies {expected}"
+            )
+    elif not hasattr(leaf, "shape") or tuple(leaf.shape) != expected:
+        got = tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__
+        raise ValueError(f"shape mismatch at {name}: {got}; the model config implies {expected}")
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_shapes(cfg: ModelConfig) -> dict:
+    return param_shapes(cfg)  # read-only here: callers of check_params never see it
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.model.params import param_shapes
+from jaxinfer.model.params import check_params
 from jaxinfer.quant.calibrate import QuantConfig
 from jaxinfer.quant.formats import Int4Weight, Int8Weight
 
@@ -103,54 +103,6 @@ def _decode(skel, arrays: dict):
 
 
 # --------------------------------------------------------------------------------------------
-# Shape check
-# --------------------------------------------------------------------------------------------
-
-
-def check_shapes(cfg: ModelConfig, params: dict) -> None:
-    """Raises ValueError naming the first leaf whose shape disagrees with `cfg`.
-
-    Dense leaves must match `param_shapes(cfg)`; a quantized leaf must have the per-layer
-    `(in, out)` and the leading axes of the dense leaf it replaces.
-    """
-    want = param_shapes(cfg)
-    extra_ok = {"lm_head"}  # a tied model may carry a separately quantized head
-    for got, expected, where in (
-        (set(params), set(want), "params"),
-        (set(params.get("layers", {})), set(want["layers"]), "params['layers']"),
-    ):
-        if expected - got or got - expected - extra_ok:
-            raise ValueError(
-                f"{where} has keys {sorted(got)}; the model config implies {sorted(expected)}"
-            )
-
-    def check(name: str, expected, leaf) -> None:
-        lead, inner = tuple(expected.shape[:-2]), tuple(expected.shape[-2:])
-        if isinstance(leaf, Int4Weight | Int8Weight):
-            arr = leaf.packed if isinstance(leaf, Int4Weight) else leaf.q
-            if tuple(leaf.shape) != inner or tuple(arr.shape[:-2]) != lead:
-                raise ValueError(
-                    f"shape mismatch at {name}: quantized weight of shape {leaf.shape} with "
-                    f"leading axes {tuple(arr.shape[:-2])}; the model config implies "
-                    f"{tuple(expected.shape)}"
-                )
-        elif tuple(leaf.shape) != tuple(expected.shape):
-            raise ValueError(
-                f"shape mismatch at {name}: {tuple(leaf.shape)}; the model config implies "
-                f"{tuple(expected.shape)}"
-            )
-
-    for key, expected in want.items():
-        if key != "layers":
-            check(key, expected, params[key])
-    for key, expected in want["layers"].items():
-        check(f"layers/{key}", expected, params["layers"][key])
-    if "lm_head" in params and "lm_head" not in want:
-        check("lm_head", jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), jnp.float32),
-              params["lm_head"])  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
 # Save / load
 # --------------------------------------------------------------------------------------------
 
@@ -172,7 +124,7 @@ def save(
       qcfg: the QuantConfig that produced it.
       overwrite: replace an existing directory.
     """
-    check_shapes(cfg, qparams)
+    check_params(cfg, qparams)
     flat: dict = {}
     tree = _encode(qparams, (), flat)
     meta = {
@@ -227,5 +179,5 @@ def load(path: str) -> tuple[ModelConfig, dict, QuantConfig]:
             os.path.abspath(path), ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
         )["arrays"]
     params = _decode(meta["tree"], restored)
-    check_shapes(cfg, params)
+    check_params(cfg, params)
     return cfg, params, qcfg

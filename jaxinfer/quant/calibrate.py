@@ -44,7 +44,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import project_qkv
 from jaxinfer.model.decoder import decoder_layer_dense
 from jaxinfer.model.layers import rms_norm
-from jaxinfer.model.params import LINEAR_NAMES, lm_head
+from jaxinfer.model.params import LINEAR_NAMES, check_params, lm_head
 from jaxinfer.ops.attention import dense_causal_attention
 from jaxinfer.ops.linear import linear
 from jaxinfer.quant import awq, gptq, smoothquant
@@ -405,6 +405,7 @@ def _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes):
 def _check_inputs(cfg: ModelConfig, params: dict, qcfg: QuantConfig, tokens) -> np.ndarray:
     if not isinstance(qcfg, QuantConfig):
         raise ValueError(f"qcfg must be a QuantConfig, got {type(qcfg).__name__}")
+    check_params(cfg, params)
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.size == 0:
         raise ValueError(
@@ -417,7 +418,16 @@ def _check_inputs(cfg: ModelConfig, params: dict, qcfg: QuantConfig, tokens) -> 
             f"calib_tokens ids span [{tokens.min()}, {tokens.max()}]; expected ids in "
             f"[0, {cfg.vocab_size})"
         )
+    if tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"calib_tokens rows have {tokens.shape[1]} tokens; the model's positions end at "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     layers = params["layers"]
+    if not isinstance(layers, dict):
+        raise ValueError(
+            "quantize takes the stored params layout (stacked layers), not ji.inference_layout's"
+        )
     for name in LINEAR_NAMES:
         if not isinstance(layers.get(name), jax.Array):
             raise ValueError(f"params['layers'][{name!r}] must be a dense array to quantize")

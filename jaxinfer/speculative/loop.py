@@ -50,7 +50,7 @@ from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
-from jaxinfer.model.params import loop_layout
+from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.ops.argmax import argmax
 from jaxinfer.sampling import (
     SamplingBatch,
@@ -422,6 +422,12 @@ def prepare_run(
                 f"= {need} exceeds the position limit {limit} (max_position_embeddings of target "
                 "and draft): a cycle verifies γ+1 positions past the last committed token"
             )
+    check_params(cfg, tparams)
+    if dcfg is not None:
+        try:
+            check_params(dcfg, dparams)
+        except ValueError as e:
+            raise ValueError(f"draft: {e}") from None
     n, b = len(prompts), bucket(len(prompts))
     lens = [len(p) for p in prompts]
     max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
