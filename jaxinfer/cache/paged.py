@@ -82,9 +82,11 @@ def init_cache(
         store = jnp.dtype(dtype or cfg.dtype)
         return PagedKVCache(jnp.zeros(shape, store), jnp.zeros(shape, store), None, None)
     store = jnp.int8 if kv_format == "int8" else jnp.float8_e4m3fn
-    scale = jnp.ones(shape[:-1], jnp.float32)
+    # Two scale arrays, not one twice: the engine donates the cache, and XLA refuses to donate
+    # one buffer as two arguments.
+    k_scale, v_scale = jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)
     return PagedKVCache(
-        jnp.zeros(shape, store), jnp.zeros(shape, store), scale, scale, kv_format=kv_format
+        jnp.zeros(shape, store), jnp.zeros(shape, store), k_scale, v_scale, kv_format=kv_format
     )
 
 
