@@ -2,6 +2,7 @@ r"""Attention backends inside the model step, on engine-shaped batches: XLA path
 
     python experiments/attention_bench.py --workdir=runs/attention_bench
     python experiments/attention_bench.py --backends=xla,reference,pallas   # on a GPU
+    python experiments/attention_bench.py --backends=xla --kv_formats=float,int8,fp8
 
 Times one jitted `forward` step (cache donated, as the engine runs it) of the shipped target on
 batches shaped like the engine's: B = --num_seqs sequence rows and M = --max_blocks blocks per
@@ -14,8 +15,9 @@ sequence fixed, with
 
 each at every --cache_blocks (the size of the KV pool: a backend that copies a layer's pages per
 step gets slower as the pool grows, one that reads in place does not). Medians of --reps steps
-after a warm-up; the backends of one row alternate step by step so the ratio is measured under
-the same load. Prints a table and writes results.json.
+after a warm-up; the systems of one row (each backend with each --kv_formats cache) alternate
+step by step, so each one's ratio to the first is measured under the same load. Prints a table
+and writes results.json.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written."
 _MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF dir.")
 _BACKENDS = flags.DEFINE_list("backends", ["xla", "reference"], "Backends; the first is timed "
                               "against the second.")  # fmt: skip
+_KV_FORMATS = flags.DEFINE_list(
+    "kv_formats", ["float"], "Cache formats (float, int8, fp8); every backend runs each."
+)
 _CACHE_BLOCKS = flags.DEFINE_list(
     "cache_blocks", ["1025", "8193"], "KV pool sizes in blocks (raised to what a batch needs)."
 )
@@ -79,22 +84,23 @@ def _batches(b: int, m: int, s: int) -> dict:
     return out
 
 
-def _time_row(cfg, params, chunks, t, b, m, num_blocks, backends) -> dict:
+def _time_row(cfg, params, chunks, t, b, m, num_blocks, systems) -> dict:
+    """Median step ms of each system: name -> (backend, kv_format)."""
     s = _BLOCK_SIZE.value
     meta, _ = build_metadata(chunks, s, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b)
     meta = ji.BatchMetadata(*(jnp.asarray(x) for x in meta.__dict__.values()))
     steps, caches = {}, {}
-    for be in backends:
+    for be, (backend, kv_format) in systems.items():
         steps[be] = jax.jit(
-            functools.partial(forward, cfg=cfg, backend=be), donate_argnames=("cache",)
+            functools.partial(forward, cfg=cfg, backend=backend), donate_argnames=("cache",)
         )
-        caches[be] = ji.init_cache(cfg, num_blocks, s)
+        caches[be] = ji.init_cache(cfg, num_blocks, s, kv_format=kv_format)
         for _ in range(2):  # compile, warm up
             logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
         logits.block_until_ready()
-    times = {be: [] for be in backends}
+    times = {be: [] for be in systems}
     for _ in range(_REPS.value):
-        for be in backends:  # alternate, so both see the same background load
+        for be in systems:  # alternate, so all see the same background load
             t0 = time.perf_counter()
             logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
             logits.block_until_ready()
@@ -104,7 +110,13 @@ def _time_row(cfg, params, chunks, t, b, m, num_blocks, backends) -> dict:
 
 def main(argv):
     del argv
-    backends = [ji.ops.resolve_backend(be) for be in _BACKENDS.value]
+    formats = _KV_FORMATS.value
+    systems = {
+        be if len(formats) == 1 else f"{be}/{fmt}": (be, fmt)
+        for be in (ji.ops.resolve_backend(b) for b in _BACKENDS.value)
+        for fmt in formats
+    }  # name -> (backend, kv_format); the first is the baseline of the ratio
+    backends = list(systems)
     model = _MODEL.value
     path = model if os.path.isdir(model) else ji.models.path(model)
     cfg, params = ji.load_checkpoint(path)
@@ -113,18 +125,20 @@ def main(argv):
     for name, (chunks, t, min_blocks) in _batches(b, m, s).items():
         for pool in map(int, _CACHE_BLOCKS.value):
             pool = max(pool, min_blocks)
-            ms = _time_row(cfg, params, chunks, t, b, m, pool, backends)
+            ms = _time_row(cfg, params, chunks, t, b, m, pool, systems)
             row = {"batch": name, "T": t, "B": b, "M": m, "cache_blocks": pool, "ms": ms}
-            row["ratio"] = ms[backends[1]] / ms[backends[0]] if len(backends) > 1 else None
+            # Each other system's step time over the first's (the baseline).
+            row["ratio"] = {be: ms[be] / ms[backends[0]] for be in backends[1:]}
             print(json.dumps(row), flush=True)
             rows.append(row)
     head = " | ".join(f"{be} ms" for be in backends)
-    print(f"\n| batch | T | cache blocks | {head} | {backends[-1]} / {backends[0]} |")
-    print("|---|---|---|" + "---|" * len(backends) + "---|")
+    ratio_head = "".join(f" {be} / {backends[0]} |" for be in backends[1:])
+    print(f"\n| batch | T | cache blocks | {head} |{ratio_head}")
+    print("|---|---|---|" + "---|" * (2 * len(backends) - 1))
     for r in rows:
         cells = " | ".join(f"{r['ms'][be]:.2f}" for be in backends)
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        print(f"| {r['batch']} | {r['T']} | {r['cache_blocks']} | {cells} | {ratio} |")
+        ratios = "".join(f" {v:.2f}x |" for v in r["ratio"].values())
+        print(f"| {r['batch']} | {r['T']} | {r['cache_blocks']} | {cells} |{ratios}")
     if _WORKDIR.value:
         os.makedirs(_WORKDIR.value, exist_ok=True)
         result = {
@@ -135,6 +149,7 @@ def main(argv):
                 k: flags.FLAGS[k].value
                 for k in (
                     "backends",
+                    "kv_formats",
                     "cache_blocks",
                     "num_seqs",
                     "max_blocks",

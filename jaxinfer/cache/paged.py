@@ -112,8 +112,8 @@ def write_kv(
     kq, ks = quantize_kv(k_new, cache.kv_format)
     vq, vs = quantize_kv(v_new, cache.kv_format)
     # Advanced indices (blk, off) around a slice: the indexed view is [T, K, D].
-    k = cache.k.at[layer, blk, :, off].set(kq.astype(cache.k.dtype))
-    v = cache.v.at[layer, blk, :, off].set(vq.astype(cache.v.dtype))
+    k = _scatter(cache.k, (layer, blk, slice(None), off), kq)
+    v = _scatter(cache.v, (layer, blk, slice(None), off), vq)
     k_scale, v_scale = cache.k_scale, cache.v_scale
     if ks is not None:
         k_scale = k_scale.at[layer, blk, :, off].set(ks)
@@ -121,11 +121,47 @@ def write_kv(
     return dataclasses.replace(cache, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
+def _through_bytes(dtype) -> bool:
+    """Whether `take_pages` / `_scatter` index a float8 pool through a uint8 view: on a CPU only
+    (a GPU has float8 loads and stores; there the plain ops are kept, unmeasured)."""
+    narrow_float = jnp.dtype(dtype).itemsize == 1 and not jnp.issubdtype(dtype, jnp.integer)
+    return narrow_float and jax.default_backend() == "cpu"
+
+
+def take_pages(pages: jax.Array, index) -> jax.Array:
+    """`pages[index]`, reading only the indexed bytes for every cache dtype.
+
+    XLA's CPU backend has no float8 arithmetic and widens float8 arrays around gathers and
+    scatters inside the model's step, converting the whole pool at every call: a step over an
+    8193-block fp8 pool took ~345 ms against ~7 ms for int8 (experiments/attention_bench.py
+    --kv_formats=int8,fp8). Indexing the same bytes through a uint8 view is exact and brought
+    it to ~75 ms; what remains is XLA materialising the whole-pool view for each scatter.
+    """
+    if not _through_bytes(pages.dtype):
+        return pages[index]
+    bits = jax.lax.bitcast_convert_type(pages, jnp.uint8)[index]
+    return jax.lax.bitcast_convert_type(bits, pages.dtype)
+
+
+def _scatter(pages: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
+    """`pages.at[index].set(values)` in place for every cache dtype (uint8 view for float8,
+    as in `take_pages`)."""
+    if not _through_bytes(pages.dtype):
+        return pages.at[index].set(values.astype(pages.dtype))
+    bits = jax.lax.bitcast_convert_type(pages, jnp.uint8)
+    new = jax.lax.bitcast_convert_type(values.astype(pages.dtype), jnp.uint8)
+    return jax.lax.bitcast_convert_type(bits.at[index].set(new), pages.dtype)
+
+
 def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Copies whole blocks `src [n] -> dst [n]` in every layer (copy-on-write, defragmenting)."""
 
     def cp(x):
-        return None if x is None else x.at[:, dst].set(x[:, src])
+        return (
+            None
+            if x is None
+            else _scatter(x, (slice(None), dst), take_pages(x, (slice(None), src)))
+        )
 
     return dataclasses.replace(
         cache,
@@ -138,8 +174,8 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
 
 def gather_dense(cache: PagedKVCache, layer: int, block_table: jax.Array, length: int):
     """One sequence's keys and values `[length, K, D]` (dequantized), for inspection and tests."""
-    k = cache.k[layer, block_table]  # [M, K, S, D]
-    v = cache.v[layer, block_table]
+    k = take_pages(cache.k, (layer, block_table))  # [M, K, S, D]
+    v = take_pages(cache.v, (layer, block_table))
     if cache.k_scale is not None:
         k = k.astype(jnp.float32) * cache.k_scale[layer, block_table][..., None]
         v = v.astype(jnp.float32) * cache.v_scale[layer, block_table][..., None]

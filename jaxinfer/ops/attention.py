@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.cache.paged import take_pages
 from pallas_kernels.paged_attention import (
     ragged_paged_attention_reference as paged_attention_reference,
 )
@@ -41,7 +42,7 @@ def resolve_backend(backend: str) -> str:
 def _read_pages(pages, scale, blocks, layer):
     """Pages `blocks` (of layer `layer` when given) in float32, dequantized by their scales."""
     idx = blocks if layer is None else (layer, blocks)
-    x = pages[idx].astype(jnp.float32)
+    x = take_pages(pages, idx).astype(jnp.float32)
     return x if scale is None else x * scale[idx][..., None]
 
 
