@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
-from jaxinfer.cache.paged import KV_FORMATS, init_cache
+from jaxinfer.cache.paged import KV_FORMATS, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward, forward_dense
 from jaxinfer.model.params import check_params
@@ -269,9 +269,9 @@ def _check_kv_format(kv_format) -> None:
 
 
 def _check_sizes(block_size, batch_size) -> None:
-    for name, value in (("block_size", block_size), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_block_size(block_size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
 @functools.lru_cache(maxsize=16)

@@ -28,11 +28,9 @@ def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
     Returns:
       `[B, S, V]` float32 logits. Raises ValueError for a bad shape or out-of-vocabulary id.
     """
-    if (
-        isinstance(tokens, list | tuple)
-        and len({len(r) for r in tokens if hasattr(r, "__len__")}) > 1
-    ):
-        lengths = sorted({len(r) for r in tokens})
+    ragged = isinstance(tokens, list | tuple)  # arrays are rectangular by construction
+    lengths = sorted({len(r) for r in tokens if hasattr(r, "__len__")}) if ragged else []
+    if len(lengths) > 1:
         raise ValueError(
             f"tokens must be a rectangular [B, S] array; got rows of lengths {lengths} "
             "(score equal-length rows together, or one row per call)"

@@ -103,8 +103,8 @@ def default_attention_block_sizes(
       The `AttentionBlockSizes` of the smallest mean-query-length class that holds T / B.
     """
     mean_q = -(-num_tokens // max(num_seqs, 1))
-    sizes = next((s for max_q, s in ATTENTION_BLOCK_TABLE if mean_q <= max_q), None)
-    sizes = sizes or ATTENTION_BLOCK_TABLE[-1][1]
+    last = ATTENTION_BLOCK_TABLE[-1][1]
+    sizes = next((s for max_q, s in ATTENTION_BLOCK_TABLE if mean_q <= max_q), last)
     if head_dim > 128:
         block_kv = max(_MIN_DOT, sizes.block_kv * 128 // _next_pow2(head_dim))
         sizes = dataclasses.replace(sizes, block_kv=block_kv)

@@ -49,9 +49,8 @@ def check_block_size(block_size) -> int:
     Any S >= 1 is valid for the XLA and reference backends; the Pallas kernel also needs a
     power of two (it says so itself).
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
-        raise ValueError(f"block_size={block_size!r} is invalid: expected an int >= 1")
-    if block_size < 1:
+    is_int = isinstance(block_size, int | np.integer) and not isinstance(block_size, bool)
+    if not is_int or block_size < 1:
         raise ValueError(f"block_size={block_size!r} is invalid: expected an int >= 1")
     return int(block_size)
 
@@ -135,7 +134,7 @@ def take_pages(pages: jax.Array, index) -> jax.Array:
     scatters inside the model's step, converting the whole pool at every call: a step over an
     8193-block fp8 pool took ~345 ms against ~7 ms for int8 (experiments/attention_bench.py
     --kv_formats=int8,fp8). Indexing the same bytes through a uint8 view is exact and brought
-    it to ~75 ms; what remains is XLA materialising the whole-pool view for each scatter.
+    it to ~70 ms; what remains is XLA materialising the whole-pool view for each scatter.
     """
     if not _through_bytes(pages.dtype):
         return pages[index]
@@ -157,11 +156,9 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
     """Copies whole blocks `src [n] -> dst [n]` in every layer (copy-on-write, defragmenting)."""
 
     def cp(x):
-        return (
-            None
-            if x is None
-            else _scatter(x, (slice(None), dst), take_pages(x, (slice(None), src)))
-        )
+        if x is None:
+            return None
+        return _scatter(x, (slice(None), dst), take_pages(x, (slice(None), src)))
 
     return dataclasses.replace(
         cache,
