@@ -17,6 +17,7 @@ from jaxinfer.cache.paged import PagedKVCache, init_cache
 
 # ---------------------------------------------------------------- checkpoints
 from jaxinfer.checkpoint import load_checkpoint, load_tokenizer, save_checkpoint
+from jaxinfer.chat import apply_chat_template
 
 # ---------------------------------------------------------------- sampling & generation
 from jaxinfer.sampling import SamplingParams
@@ -37,6 +38,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "apply_chat_template",
     "BatchMetadata",
     "GenerationOutput",
     "ModelConfig",
