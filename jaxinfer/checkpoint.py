@@ -78,17 +78,30 @@ def _hf_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
     return names
 
 
-def load_checkpoint(path: str, dtype=None) -> tuple[ModelConfig, dict]:
-    """Loads an HF Llama / Mistral / Qwen2 safetensors directory.
+def load_checkpoint(
+    path: str, dtype=None, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict]:
+    """Loads an HF Llama / Mistral / Qwen2 safetensors directory, or a GGUF file.
 
     Args:
-      path: directory with config.json and safetensors weights.
-      dtype: parameter dtype (e.g. jnp.float32); default: the checkpoint's `torch_dtype`.
+      path: directory with config.json and safetensors weights; or a `.gguf` file, or a
+        directory without config.json holding exactly one (see `jaxinfer.gguf`).
+      dtype: parameter dtype (e.g. jnp.float32); default: the checkpoint's `torch_dtype`
+        (float32 for GGUF).
+      keep_quantized: GGUF only: keep Q4_0 / Q4_1 / Q8_0 tensors as jaxinfer int4 / int8
+        weights, as stored, instead of dequantizing them.
 
     Returns:
       (cfg, params). Raises ValueError naming the tensor for a missing, unexpected or
       mis-shaped tensor, and for pickle-only directories.
     """
+    from jaxinfer.gguf import find_gguf, load_gguf
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return load_gguf(gguf_file, dtype=dtype, keep_quantized=keep_quantized)
+    if keep_quantized:
+        raise ValueError("keep_quantized=True applies to GGUF files only")
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     dtype_name = None if dtype is None else jnp.dtype(dtype).name

@@ -36,7 +36,7 @@ def test_both_default_models_are_shipped():
     assert set(SHIPPED) <= set(models.names())
     total = sum(
         os.path.getsize(os.path.join(models.path(n), f))
-        for n in models.names()
+        for n in models.asset_names()
         for f in os.listdir(models.path(n))
     )
     assert total <= MAX_BYTES, f"shipped models take {total / 2**20:.1f} MiB"
@@ -45,7 +45,8 @@ def test_both_default_models_are_shipped():
 def test_names_and_path():
     names = models.names()
     assert names == sorted(names)
-    for name in names:
+    assert set(models.asset_names()) <= set(names)
+    for name in models.asset_names():
         assert os.path.isfile(os.path.join(models.path(name), "config.json"))
     with pytest.raises(ValueError, match="unknown model 'nope'.*shipped models"):
         models.path("nope")
