@@ -83,6 +83,9 @@ _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
 }
 
+# The named special tokens transformers keeps (`special_tokens_map`) and passes to templates.
+_HF_SPECIAL_NAMES = (*_SPECIAL_ID_KEYS, "sep_token", "cls_token", "mask_token")
+
 _CONFIG_FILE = "tokenizer_config.json"
 _TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.5x saves the template
 
@@ -266,7 +269,7 @@ def _from_hf(file: str, folder: str) -> Tokenizer:
             raise ValueError(f"{config_file} holds {type(config).__name__}, expected an object")
     special = {
         name: token
-        for name in _SPECIAL_ID_KEYS
+        for name in _HF_SPECIAL_NAMES
         if (token := _token_content(config.get(name))) is not None
     }
     if not special:
@@ -408,7 +411,7 @@ def from_gguf(path: str) -> Tokenizer:
             f"{len(tokens)} tokens"
         )
     if kind == "gpt2":
-        backend, tokens = _byte_level_bpe(fields, tokens, path)
+        backend = _byte_level_bpe(fields, tokens, path)
     elif kind == "llama":
         backend = _sentencepiece_bpe(fields, tokens, path)
     else:
@@ -419,7 +422,9 @@ def from_gguf(path: str) -> Tokenizer:
 
     # Control tokens are special and whole; in a byte-level vocabulary one spelled outside the
     # byte alphabet is mislabelled (it was never a token of the merges), and is skipped as
-    # transformers skips it. User-defined tokens are matched whole but not special.
+    # transformers skips it. User-defined tokens are matched whole but not special; as in
+    # transformers, only those the vocabulary holds as the file spells them. Named specials
+    # below also use the file's spelling.
     alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
     vocab = backend.get_vocab()
     control = [
@@ -474,10 +479,8 @@ def _bos_eos_processor(
     )
 
 
-def _byte_level_bpe(
-    fields: Mapping[str, Any], tokens: list[str], path: str
-) -> tuple[BackendTokenizer, list[str]]:
-    """GPT-2-style BPE over bytes; returns the backend and the tokens as respelled."""
+def _byte_level_bpe(fields: Mapping[str, Any], tokens: list[str], path: str) -> BackendTokenizer:
+    """GPT-2-style BPE over bytes."""
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     # llama.cpp writes some tokens (added ones, mostly) as plain UTF-8 text; the BPE model
@@ -508,7 +511,7 @@ def _byte_level_bpe(
             ]
         )
     backend.decoder = decoders.ByteLevel()
-    return backend, respelled
+    return backend
 
 
 def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str], path: str) -> BackendTokenizer:
