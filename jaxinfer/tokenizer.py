@@ -30,7 +30,15 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as BackendTokenizer
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -82,6 +90,9 @@ _PRE_TOKENIZER_SPLITS = {
     "qwen35": _QWEN35,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
 }
+
+# general.architecture values whose `llama` vocabulary transformers builds another way.
+_UNSUPPORTED_SENTENCEPIECE_ARCHS = ("gemma", "gemma2", "gemma3")
 
 # The named special tokens transformers keeps (`special_tokens_map`) and passes to templates.
 _HF_SPECIAL_NAMES = (*_SPECIAL_ID_KEYS, "sep_token", "cls_token", "mask_token")
@@ -410,10 +421,18 @@ def from_gguf(path: str) -> Tokenizer:
             f"GGUF metadata tokenizer.ggml.token_type in {path} has {len(types)} entries for "
             f"{len(tokens)} tokens"
         )
+    arch = fields.get("general.architecture")
     if kind == "gpt2":
         backend = _byte_level_bpe(fields, tokens, path)
+    elif kind == "llama" and arch in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
+        # Gemma files respell whitespace tokens and rank merges by file order: another recipe,
+        # which a Llama-style build would get silently wrong.
+        raise ValueError(
+            f"GGUF file {path} (general.architecture = {arch!r}) has a SentencePiece vocabulary "
+            "that needs Gemma's tokenizer recipe, which jaxinfer does not build"
+        )
     elif kind == "llama":
-        backend = _sentencepiece_bpe(fields, tokens, path)
+        backend = _sentencepiece_bpe(fields, tokens, path, phi3=arch == "phi3")
     else:
         raise ValueError(
             f"GGUF file {path} has tokenizer model tokenizer.ggml.model = {kind!r}; jaxinfer "
@@ -514,8 +533,14 @@ def _byte_level_bpe(fields: Mapping[str, Any], tokens: list[str], path: str) -> 
     return backend
 
 
-def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str], path: str) -> BackendTokenizer:
-    """SentencePiece-style BPE: `▁` for spaces, byte-fallback tokens `<0xNN>` for the rest."""
+def _sentencepiece_bpe(
+    fields: Mapping[str, Any], tokens: list[str], path: str, *, phi3: bool = False
+) -> BackendTokenizer:
+    """SentencePiece-style BPE: `▁` for spaces, byte-fallback tokens `<0xNN>` for the rest.
+
+    Phi-3 gets its `▁` from a normalizer (prepended to the whole text, every space replaced),
+    not from a Metaspace pre-tokenizer; the two differ only on text that starts with a space.
+    """
     if "tokenizer.ggml.merges" in fields:
         merges = _merges_from_file(fields["tokenizer.ggml.merges"], path)
     else:
@@ -535,10 +560,16 @@ def _sentencepiece_bpe(fields: Mapping[str, Any], tokens: list[str], path: str) 
             dropout=None,
         )
     )
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first", split=False
-    )
+    if phi3:
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        backend.pre_tokenizer = None
+    else:
+        backend.normalizer = None
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first", split=False
+        )
     backend.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),

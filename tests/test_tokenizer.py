@@ -312,22 +312,27 @@ def test_save_pretrained_loads_in_transformers(smollm2, tmp_path, lines):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "arch, overrides",
     [
-        {},  # no add_bos_token key: a llama vocabulary adds bos
-        {
-            "tokenizer.ggml.add_bos_token": False,
-            "tokenizer.ggml.add_eos_token": True,
-            "tokenizer.ggml.padding_token_id": 0,
-        },
+        ("llama", {}),  # no add_bos_token key: a llama vocabulary adds bos
+        (
+            "llama",
+            {
+                "tokenizer.ggml.add_bos_token": False,
+                "tokenizer.ggml.add_eos_token": True,
+                "tokenizer.ggml.padding_token_id": 0,
+            },
+        ),
+        ("phi3", {}),  # the prefix space from a normalizer
     ],
-    ids=["default-bos", "eos-only-with-pad"],
+    ids=["default-bos", "eos-only-with-pad", "phi3"],
 )
-def test_sentencepiece_vocabulary_matches_transformers(tmp_path, lines, overrides):
-    path = write_gguf(str(tmp_path / "sp.gguf"), {**sentencepiece_metadata(), **overrides})
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path, lines, arch, overrides):
+    meta = {**sentencepiece_metadata(), **overrides}
+    path = write_gguf(str(tmp_path / "sp.gguf"), meta, arch=arch)
     ours, theirs = load_tokenizer(path), hf_gguf_tokenizer(path)
     assert json.loads(ours.to_str()) == _sorted_added(json.loads(theirs.backend_tokenizer.to_str()))
-    texts = lines[::4] + ["<tool> and <|im_start|> and <unk>", "▁already ▁marked", " lead", "ü"]
+    texts = lines[::4] + ["<tool> and <|im_start|> and <unk>", "▁already ▁marked", "  lead", "ü"]
     assert_same_ids(ours, theirs, texts)
     ids = [e.ids for e in ours.encode_batch(texts)]
     assert ours.decode_batch(ids) == theirs.batch_decode(ids, skip_special_tokens=True)
@@ -338,7 +343,7 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path, lines, override
     assert ours.decode(ours.encode(text).ids) == text
     assert ours.special_tokens == theirs.special_tokens_map
     assert ours.chat_template == theirs.chat_template
-    eos_only = bool(overrides)
+    eos_only = "tokenizer.ggml.add_eos_token" in overrides
     first, last = ours.encode("hello").ids[0], ours.encode("hello").ids[-1]
     assert (first == 1) != eos_only and (last == 2) == eos_only
 
@@ -467,6 +472,9 @@ def test_unknown_tokenizer_model_is_named(tmp_path):
         str(tmp_path / "t5.gguf"), {**sentencepiece_metadata(), "tokenizer.ggml.model": "t5"}
     )
     with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model = 't5'.*'gpt2'.*'llama'"):
+        load_tokenizer(path)
+    path = write_gguf(str(tmp_path / "gemma.gguf"), sentencepiece_metadata(), arch="gemma2")
+    with pytest.raises(ValueError, match=r"general\.architecture = 'gemma2'.*Gemma's tokenizer"):
         load_tokenizer(path)
 
 
