@@ -13,9 +13,10 @@ the same metadata (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), so both
   already; merges come from `tokenizer.ggml.merges`; the split regex is chosen by
   `tokenizer.ggml.pre` (GPT-2's own for names transformers does not map, e.g. SmolLM2's `smollm`).
 - `llama`: SentencePiece-style BPE with byte fallback (`<0x41>` tokens). Merges are the file's or,
-  as usual, recovered from the vocabulary ranked by `tokenizer.ggml.scores`; words get a `▁`
-  prefix on the first word only (transformers' non-legacy Metaspace; it ignores
-  `tokenizer.ggml.add_space_prefix`, and so does this module, to stay id-identical).
+  as usual, recovered from the vocabulary ranked by `tokenizer.ggml.scores`; spaces become `▁`
+  and one `▁` is prepended to the text (transformers' non-legacy Metaspace; a normalizer for
+  Phi-3). transformers ignores `tokenizer.ggml.add_space_prefix`, and so does this module, to
+  stay id-identical. Gemma files, which need another recipe, are refused by name.
 
 Token types (llama.cpp's `llama_token_type`) decide added tokens: CONTROL (3) tokens become special
 tokens, USER_DEFINED (4) ones plain added tokens, both matched whole in the text. The bos/eos/unk/
