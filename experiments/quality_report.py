@@ -51,7 +51,7 @@ from jaxinfer import eval as ji_eval
 from jaxinfer.checkpoint import load_checkpoint, load_tokenizer
 from jaxinfer.config import ModelConfig, preset
 from jaxinfer.model.params import LINEAR_NAMES
-from jaxinfer.quant.formats import Int4Weight, Int8Weight, is_quantized
+from jaxinfer.qtensor import Int4Weight, Int8Weight, is_quantized
 
 QUICK_EVAL_TOKENS = 32 * ji_eval.EVAL_SEQ_LEN + 1  # 32 windows: 8,192 predicted tokens
 QUICK_CALIB_SEQUENCES = 32

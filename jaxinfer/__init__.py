@@ -18,6 +18,7 @@ from jaxinfer.cache.paged import PagedKVCache, init_cache
 # ---------------------------------------------------------------- checkpoints
 from jaxinfer.checkpoint import load_checkpoint, load_tokenizer, save_checkpoint
 from jaxinfer.chat import apply_chat_template
+from jaxinfer.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- sampling & generation
 from jaxinfer.sampling import SamplingParams
@@ -46,6 +47,7 @@ __all__ = [
     "RopeScaling",
     "SamplingParams",
     "SeqChunk",
+    "Tokenizer",
     "build_metadata",
     "forward",
     "forward_dense",

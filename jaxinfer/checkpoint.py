@@ -20,6 +20,8 @@ from safetensors.numpy import save_file
 
 from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
 from jaxinfer.model.params import check_params, param_shapes
+from jaxinfer.tokenizer import load_tokenizer as load_tokenizer  # re-exported: ji.load_tokenizer
+from jaxinfer.tokenizer import save_tokenizer
 
 # jaxinfer layer leaf -> (HF name inside `model.layers.{i}.`, transposed?)
 _LAYER_NAMES = {
@@ -176,7 +178,8 @@ def save_checkpoint(
       path: output directory (created).
       cfg: model config.
       params: dense params pytree (quantized weights are saved with `jaxinfer.quant.save`).
-      tokenizer: optional `tokenizers.Tokenizer` saved as tokenizer.json.
+      tokenizer: optional `jaxinfer.tokenizer.Tokenizer` (tokenizer.json and
+        tokenizer_config.json with its chat template) or `tokenizers.Tokenizer` (tokenizer.json).
       generation_config: optional extra fields for generation_config.json.
     """
     for leaf in jax.tree_util.tree_leaves(params):
@@ -215,14 +218,4 @@ def save_checkpoint(
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     if tokenizer is not None:
-        tokenizer.save(os.path.join(path, "tokenizer.json"))
-
-
-def load_tokenizer(path: str):
-    """A `tokenizers.Tokenizer` from `path/tokenizer.json` (or the file itself)."""
-    from tokenizers import Tokenizer
-
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise ValueError(f"no tokenizer.json at {path}")
-    return Tokenizer.from_file(file)
+        save_tokenizer(tokenizer, path)

@@ -26,10 +26,10 @@ import re
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.cache.kv_formats import kv_bytes_per_token as _kv_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import LINEAR_NAMES, param_shapes
-from jaxinfer.quant.formats import resolve_group_size
-from jaxinfer.quant.kv import kv_bytes_per_token as _kv_bytes
+from jaxinfer.qtensor import resolve_group_size
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 
 GB = 10**9

@@ -2,13 +2,17 @@
 
 `ragged_attention_batch` builds a NaN-poisoned ragged batch for the paged attention op,
 `stack_layers` puts its pages into one layer of a poisoned stacked cache, and `relative_error`
-is the error measure every comparison uses.
+is the error measure every comparison uses. `INTERPRET` is the one switch the kernel tests pass
+as `interpret=`: the Pallas interpreter on a CPU, the compiled kernel when a GPU is present.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+INTERPRET = jax.default_backend() != "gpu"  # interpret on CPU; compile on a GPU
 
 
 def ragged_attention_batch(block_size, heads, head_dim, kv_dtype, q_dtype="float32", seed=0):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import eval as jeval
+from jaxinfer.cache.kv_formats import dequantize_kv, quantize_kv
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import project_qkv
 from jaxinfer.model.decoder import logits_from_hidden, mlp_block
 from jaxinfer.model.layers import rms_norm
 from jaxinfer.ops.attention import dense_causal_attention
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant.kv import dequantize_kv, quantize_kv
 from tests.helpers import random_params
 
 CFG = ModelConfig(

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.cache.kv_formats import quantize_kv as _quantize_kv
 from jaxinfer.config import ModelConfig
 
 KV_FORMATS = ("float", "int8", "fp8")
@@ -93,9 +94,7 @@ def quantize_kv(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | No
     """`x [..., D]` -> (stored values, per-vector scale [...]) for a cache format."""
     if kv_format == "float":
         return x, None
-    from jaxinfer.quant.kv import quantize_kv as _quantize
-
-    return _quantize(x, kv_format)
+    return _quantize_kv(x, kv_format)
 
 
 def write_kv(

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.quant.formats import Int4Weight, Int8Weight
+from jaxinfer.qtensor import is_quantized
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -125,13 +125,12 @@ def _check_keys(got: set, expected: set, extra_ok: set, where: str) -> None:
 
 def _check_leaf(name: str, expected: tuple, leaf) -> None:
     expected = tuple(expected)
-    if isinstance(leaf, Int4Weight | Int8Weight):
+    if is_quantized(leaf):
         lead, inner = expected[:-2], expected[-2:]
-        arr = leaf.packed if isinstance(leaf, Int4Weight) else leaf.q
-        if tuple(leaf.shape) != inner or tuple(arr.shape[:-2]) != lead:
+        if tuple(leaf.shape) != inner or leaf.lead_shape != lead:
             raise ValueError(
                 f"shape mismatch at {name}: quantized weight of shape {leaf.shape} with leading "
-                f"axes {tuple(arr.shape[:-2])}; the model config implies {expected}"
+                f"axes {leaf.lead_shape}; the model config implies {expected}"
             )
     elif not hasattr(leaf, "shape") or tuple(leaf.shape) != expected:
         got = tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__

@@ -1,12 +1,14 @@
-"""Ops the model calls; each chooses its implementation (reference jnp or a Pallas kernel)."""
+"""Ops the model calls; each chooses its implementation (reference jnp, XLA or a Pallas kernel).
+
+`ops/pallas.py` holds the Pallas backend and is imported only when that backend is used.
+"""
 
 from jaxinfer.ops.attention import (
-    BACKENDS,
     dense_causal_attention,
     paged_attention,
     paged_attention_reference,
-    resolve_backend,
 )
+from jaxinfer.ops.backend import BACKENDS, resolve_backend
 from jaxinfer.ops.linear import linear
 
 __all__ = [

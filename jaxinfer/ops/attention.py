@@ -19,24 +19,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cache.paged import take_pages
-from pallas_kernels.paged_attention import (
+from jaxinfer.ops.backend import BACKENDS, is_pallas, resolve_backend
+from pallas_kernels.paged_attention.blocks import tile_schedule
+from pallas_kernels.paged_attention.reference import (
     ragged_paged_attention_reference as paged_attention_reference,
 )
-from pallas_kernels.paged_attention import tile_schedule
 
-BACKENDS = ("auto", "xla", "reference", "pallas", "pallas-interpret")
+__all__ = [
+    "BACKENDS",
+    "dense_causal_attention",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_xla",
+    "resolve_backend",
+]
+
 _MASKED = -1e30  # finite, so a row with no live key gives zeros instead of NaN
 _PAGE_COST = 4  # reading one page costs about this many query rows of arithmetic (CPU)
 _KEYS_PER_CHUNK = 128  # keys per online-softmax step of paged_attention_xla
-
-
-def resolve_backend(backend: str) -> str:
-    """ "auto" -> "pallas" on GPU, "xla" elsewhere; validates the name."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return backend
 
 
 def _read_pages(pages, scale, blocks, layer):
@@ -177,9 +177,11 @@ def paged_attention(
         return paged_attention_xla(*args, **kw)
     if backend == "reference":
         return paged_attention_reference(*args, **kw)
-    from pallas_kernels.paged_attention import ragged_paged_attention
+    assert is_pallas(backend), backend
+    # Not a cycle breaker: the Pallas backend (and Pallas itself) loads only when it is used.
+    from jaxinfer.ops import pallas
 
-    return ragged_paged_attention(*args, **kw, interpret=backend == "pallas-interpret")
+    return pallas.paged_attention(*args, **kw, interpret=backend == "pallas-interpret")
 
 
 def dense_causal_attention(

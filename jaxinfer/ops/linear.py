@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.attention import resolve_backend
-from jaxinfer.quant.formats import Int4Weight, Int8Weight, dequantize_rows, quantize_per_token
+from jaxinfer.ops.backend import is_pallas, resolve_backend
+from jaxinfer.qtensor import Int4Weight, Int8Weight, dequantize_rows, quantize_per_token
 
 
 def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto") -> jax.Array:
@@ -18,7 +18,7 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 
     Args:
       x: activations `[..., in]`.
-      w: a dense `[in, out]` array or a quantized weight pytree (see `jaxinfer.quant.formats`).
+      w: a dense `[in, out]` array or a quantized weight pytree (see `jaxinfer.qtensor`).
       b: optional bias `[out]`.
       backend: for quantized weights, "xla" and "reference" dequantize and dot in XLA; "pallas"
         and "pallas-interpret" run the kernels of `pallas_kernels`; "auto" picks Pallas on GPU.
@@ -28,8 +28,11 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
     """
     if isinstance(w, jax.Array | jnp.ndarray):
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    elif resolve_backend(backend).startswith("pallas") and isinstance(w, Int4Weight | Int8Weight):
-        y = _pallas_linear(x, w, interpret=resolve_backend(backend) == "pallas-interpret")
+    elif isinstance(w, Int4Weight | Int8Weight) and is_pallas(backend := resolve_backend(backend)):
+        # Not a cycle breaker: the Pallas backend (and Pallas itself) loads only when it is used.
+        from jaxinfer.ops import pallas
+
+        y = pallas.linear(x, w, interpret=backend == "pallas-interpret")
     elif isinstance(w, Int4Weight):
         y = _int4_linear(x, w)
     elif isinstance(w, Int8Weight):
@@ -42,11 +45,11 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 
 
 # ------------------------------------------------------------------- quantized weights (XLA path)
-# Dequantize-and-dot. Int4: the same arithmetic as `quant.formats.dequantize` followed by the
+# Dequantize-and-dot. Int4: the same arithmetic as `qtensor.dequantize` followed by the
 # dense path, so `linear(x, w) == linear(x, dequantize(w))` (bit-exact without act-order perm).
 # Int8: the per-column scale is applied after the reduction (equal up to float rounding). The
-# Pallas kernels (pallas_kernels/int4_matmul.py, int8_matmul.py) compute the same products and
-# plug in here.
+# Pallas kernels (`ops/pallas.py` over pallas_kernels/int4_matmul/, int8_matmul/) compute the
+# same products.
 
 
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
@@ -68,26 +71,3 @@ def _int8_w8a8(x: jax.Array, w: Int8Weight) -> jax.Array:
         xq, w.q, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
     )  # [..., out] int32, exact
     return acc.astype(jnp.float32) * xs[..., None] * w.scales.astype(jnp.float32)
-
-
-# ------------------------------------------------------------------- quantized weights (Pallas)
-# The same products computed by the kernels on tiles (the weight is read once, as stored).
-
-
-def _pallas_linear(x: jax.Array, w, *, interpret: bool) -> jax.Array:
-    from pallas_kernels.int4_matmul import int4_matmul
-    from pallas_kernels.int8_matmul import int8_int8_matmul, int8_matmul
-
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if isinstance(w, Int4Weight):
-        y = int4_matmul(
-            x2, w.packed, w.scales.astype(x.dtype), w.zeros,
-            group_size=w.group_size, perm=w.perm, interpret=interpret,
-        )  # fmt: skip
-    elif w.act_quant:
-        xq, xs = quantize_per_token(x2)  # [M, in] int8, [M] float32
-        y = int8_int8_matmul(xq, xs, w.q, w.scales, interpret=interpret)
-    else:
-        y = int8_matmul(x2, w.q, w.scales, interpret=interpret)
-    return y.astype(jnp.float32).reshape(*lead, y.shape[-1])

@@ -4,16 +4,14 @@
     qparams = ji.quant.quantize(cfg, params, qcfg, calib_tokens)      # [N, S] int32
     ji.quant.save(path, cfg, qparams, qcfg); cfg, qparams, qcfg = ji.quant.load(path)
 
-The weight formats and the per-layer math import eagerly. The calibration driver, artifacts and
-importers use the model, whose `ops.linear` imports `quant.formats`: they load on first use
-(PEP 562), so `import jaxinfer.quant` never sits inside an import cycle.
+The weight formats live in `jaxinfer.qtensor` and the KV-cache formats in
+`jaxinfer.cache.kv_formats` (leaves the model, the ops and the cache import without importing
+this package); they are re-exported here.
 """
 
-import importlib
-
-# Eager: the weight formats, the per-weight methods and the KV-cache formats.
-from jaxinfer.quant.awq import awq_clip_search, awq_scales, awq_search, scaled_quant_loss
-from jaxinfer.quant.formats import (
+# Formats (re-exported), per-weight methods, the calibration driver, artifacts and importers.
+from jaxinfer.cache.kv_formats import dequantize_kv, kv_bytes_per_token, quantize_kv
+from jaxinfer.qtensor import (
     Int4Weight,
     Int8Weight,
     dequantize,
@@ -24,35 +22,24 @@ from jaxinfer.quant.formats import (
     quantize_per_token,
     unpack_int4,
 )
+from jaxinfer.quant.artifact import FORMAT_VERSION, load, save
+from jaxinfer.quant.awq import awq_clip_search, awq_scales, awq_search, scaled_quant_loss
+from jaxinfer.quant.calibrate import QuantConfig, QuantReport, quantize, quantize_with_report
 from jaxinfer.quant.gptq import gptq_quantize, hessian
-from jaxinfer.quant.kv import dequantize_kv, kv_bytes_per_token, quantize_kv
+from jaxinfer.quant.importers import (
+    import_awq_linear,
+    import_gptq_linear,
+    load_community_checkpoint,
+)
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from jaxinfer.quant.smoothquant import smooth_scales, smoothquant_weight
 
-# Lazy: the calibration driver, artifacts and importers (they import the model).
-_LAZY = {
-    "QuantConfig": "calibrate",
-    "QuantReport": "calibrate",
-    "quantize_with_report": "calibrate",
-    "quantize": "calibrate",
-    "save": "artifact",
-    "load": "artifact",
-    "FORMAT_VERSION": "artifact",
-    "import_gptq_linear": "importers",
-    "import_awq_linear": "importers",
-    "load_community_checkpoint": "importers",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"jaxinfer.quant.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'jaxinfer.quant' has no attribute {name!r}")
-
-
 __all__ = [
+    "FORMAT_VERSION",
     "Int4Weight",
     "Int8Weight",
+    "QuantConfig",
+    "QuantReport",
     "awq_clip_search",
     "awq_scales",
     "awq_search",
@@ -61,17 +48,23 @@ __all__ = [
     "dequantize_rows",
     "gptq_quantize",
     "hessian",
+    "import_awq_linear",
+    "import_gptq_linear",
     "is_quantized",
     "kv_bytes_per_token",
+    "load",
+    "load_community_checkpoint",
     "make_int4",
     "pack_int4",
+    "quantize",
     "quantize_int8",
     "quantize_kv",
     "quantize_per_token",
+    "quantize_with_report",
     "rtn_quantize",
+    "save",
     "scaled_quant_loss",
     "smooth_scales",
     "smoothquant_weight",
     "unpack_int4",
-    *_LAZY,
 ]

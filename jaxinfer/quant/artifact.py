@@ -24,8 +24,8 @@ import orbax.checkpoint as ocp
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.model.params import check_params
+from jaxinfer.qtensor import Int4Weight, Int8Weight
 from jaxinfer.quant.calibrate import QuantConfig
-from jaxinfer.quant.formats import Int4Weight, Int8Weight
 
 FORMAT = "jaxinfer-quant"
 FORMAT_VERSION = 1

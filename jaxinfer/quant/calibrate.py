@@ -47,8 +47,8 @@ from jaxinfer.model.layers import rms_norm
 from jaxinfer.model.params import LINEAR_NAMES, check_params, lm_head
 from jaxinfer.ops.attention import dense_causal_attention
 from jaxinfer.ops.linear import linear
+from jaxinfer.qtensor import INT4_BITS, dequantize, is_quantized, resolve_group_size
 from jaxinfer.quant import awq, gptq, smoothquant
-from jaxinfer.quant.formats import INT4_BITS, dequantize, is_quantized, resolve_group_size
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq", "smoothquant")

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.quant.formats import (
+from jaxinfer.qtensor import (
     Int4Weight,
     check_int4_static,
     dequantize,

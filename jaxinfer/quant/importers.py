@@ -11,7 +11,7 @@ GPTQ (AutoGPTQ, GPTQModel), per linear `<module>.{qweight, qzeros, scales, g_idx
   Zero points: checkpoint_format "gptq" (v1, the legacy default) stores z − 1; "gptq_v2" stores
   z. v1 is read as (stored + 1) mod 2**b. An arbitrary g_idx becomes a row permutation: perm =
   stable argsort(g_idx) puts each group's rows together (every group must have G rows), stored
-  row k is input row perm[k], and the weight keeps `perm` (see `formats.Int4Weight`).
+  row k is input row perm[k], and the weight keeps `perm` (see `qtensor.Int4Weight`).
 
 AWQ GEMM (AutoAWQ), per linear `<module>.{qweight, qzeros, scales}`:
 
@@ -35,7 +35,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig, from_hf_config
-from jaxinfer.quant.formats import Int4Weight, check_int4_static
+from jaxinfer.qtensor import Int4Weight, check_int4_static, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 GPTQ_BITS = (2, 4)
@@ -82,11 +82,9 @@ class _HostInt4:
     group_size: int
 
     def to_int4(self, dtype=None) -> Int4Weight:
-        *lead, d_in, d_out = self.q.shape
-        words = self.q.astype(np.uint32).reshape(*lead, d_in // 8, 8, d_out)
-        packed = np.bitwise_or.reduce(words << (4 * np.arange(8, dtype=np.uint32))[:, None], -2)
+        d_in, d_out = self.q.shape[-2:]
         return Int4Weight(
-            packed=jnp.asarray(packed),  # [(L,) in/8, out] uint32, same layout as pack_int4
+            packed=pack_int4(jnp.asarray(self.q)),  # [(L,) in/8, out] uint32
             scales=jnp.asarray(self.scales, dtype or self.scales.dtype),
             zeros=jnp.asarray(self.zeros, jnp.int32),
             perm=None if self.perm is None else jnp.asarray(self.perm, jnp.int32),

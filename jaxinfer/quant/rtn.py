@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant.formats import (
+from jaxinfer.qtensor import (
     INT4_BITS,
     Int4Weight,
     Int8Weight,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant.formats import Int8Weight
+from jaxinfer.qtensor import Int8Weight
 from jaxinfer.quant.rtn import quantize_int8
 
 _MIN_SCALE = 1e-5

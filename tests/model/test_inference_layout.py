@@ -11,7 +11,7 @@ import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
 from jaxinfer.model import params as params_mod
 from jaxinfer.model.params import LINEAR_NAMES, inference_layout, loop_layout
-from jaxinfer.quant.formats import Int4Weight
+from jaxinfer.qtensor import Int4Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from tests.helpers import random_params
 

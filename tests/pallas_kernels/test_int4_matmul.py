@@ -29,6 +29,7 @@ from pallas_kernels.int8_matmul import (
     int8_matmul,
     int8_matmul_reference,
 )
+from pallas_kernels.testing import INTERPRET
 
 PER_CHANNEL = -1  # group_size = K
 AXES = {
@@ -104,7 +105,7 @@ def test_int4_matches_reference(m, k, n, g, use_perm, dtype):
     perm = None
     if use_perm:
         perm = jnp.asarray(np.random.default_rng(k).permutation(k).astype(np.int32))
-    y = int4_matmul(x, packed, scales, zeros, group_size=g, perm=perm, interpret=True)
+    y = int4_matmul(x, packed, scales, zeros, group_size=g, perm=perm, interpret=INTERPRET)
     ref = int4_matmul_reference(x, packed, scales, zeros, group_size=g, perm=perm)
     assert y.shape == (m, n) and y.dtype == x.dtype
     assert _rel_err(y, ref) <= REL_TOL[dtype]
@@ -121,7 +122,7 @@ def test_int4_matches_reference(m, k, n, g, use_perm, dtype):
 def test_int4_block_sizes(sizes):
     m, k, n, g = 5, 384, 64, 128
     x, packed, scales, zeros, _ = _int4_problem(m, k, n, g, "float32", seed=7)
-    y = int4_matmul(x, packed, scales, zeros, group_size=g, block_sizes=sizes, interpret=True)
+    y = int4_matmul(x, packed, scales, zeros, group_size=g, block_sizes=sizes, interpret=INTERPRET)
     ref = int4_matmul_reference(x, packed, scales, zeros, group_size=g)
     assert _rel_err(y, ref) <= REL_TOL["float32"]
 
@@ -129,7 +130,7 @@ def test_int4_block_sizes(sizes):
 def test_int4_odd_n_is_padded():
     m, k, n, g = 2, 128, 40, 32  # N has no power-of-two factor >= 16
     x, packed, scales, zeros, _ = _int4_problem(m, k, n, g, "float32", seed=3)
-    y = int4_matmul(x, packed, scales, zeros, group_size=g, interpret=True)
+    y = int4_matmul(x, packed, scales, zeros, group_size=g, interpret=INTERPRET)
     ref = int4_matmul_reference(x, packed, scales, zeros, group_size=g)
     assert y.shape == (m, n)
     assert _rel_err(y, ref) <= REL_TOL["float32"]
@@ -182,7 +183,7 @@ def test_int8_matches_reference(m, k, n, dtype):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
     w_scales = jnp.asarray(rng.uniform(0.5, 1.5, n) / 127, jnp.float32)
-    y = int8_matmul(x, w, w_scales, interpret=True)
+    y = int8_matmul(x, w, w_scales, interpret=INTERPRET)
     ref = int8_matmul_reference(x, w, w_scales)
     assert y.shape == (m, n) and y.dtype == x.dtype
     assert _rel_err(y, ref) <= REL_TOL[dtype]
@@ -197,7 +198,7 @@ def test_int8_int8_matches_reference(m, k, n):
     x_scales = jnp.asarray(rng.uniform(0.5, 1.5, m) / 127, jnp.float32)
     w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
     w_scales = jnp.asarray(rng.uniform(0.5, 1.5, n) / 127, jnp.float32)
-    y = int8_int8_matmul(x, x_scales, w, w_scales, interpret=True)
+    y = int8_int8_matmul(x, x_scales, w, w_scales, interpret=INTERPRET)
     ref = int8_int8_matmul_reference(x, x_scales, w, w_scales)
     assert y.shape == (m, n) and y.dtype == jnp.float32
     # int32 accumulation is exact in both; only the two float32 scale products may round.
@@ -234,16 +235,16 @@ def test_int4_rejects_bad_inputs(change, group_size, match):
     args, _ = _valid_int4()
     args.update(change(args))
     with pytest.raises(ValueError, match=match):
-        int4_matmul(**args, group_size=group_size, interpret=True)
+        int4_matmul(**args, group_size=group_size, interpret=INTERPRET)
 
 
 def test_int4_rejects_bad_perm_and_untileable_group():
     args, g = _valid_int4()
     with pytest.raises(ValueError, match="perm has shape"):
-        int4_matmul(**args, group_size=g, perm=jnp.arange(64), interpret=True)
+        int4_matmul(**args, group_size=g, perm=jnp.arange(64), interpret=INTERPRET)
     args, g = _valid_int4(k=48, g=24)  # valid layout, but no power-of-two K tile >= 16
     with pytest.raises(ValueError, match="group_size=24"):
-        int4_matmul(**args, group_size=g, interpret=True)
+        int4_matmul(**args, group_size=g, interpret=INTERPRET)
 
 
 def test_int8_rejects_bad_inputs():
@@ -251,16 +252,16 @@ def test_int8_rejects_bad_inputs():
     w = jnp.ones((64, 32), jnp.int8)
     s = jnp.ones((32,), jnp.float32)
     with pytest.raises(ValueError, match="w has dtype"):
-        int8_matmul(x, w.astype(jnp.int32), s, interpret=True)
+        int8_matmul(x, w.astype(jnp.int32), s, interpret=INTERPRET)
     with pytest.raises(ValueError, match="w has dtype"):
-        int8_matmul(x, w[:32], s, interpret=True)  # K mismatch
+        int8_matmul(x, w[:32], s, interpret=INTERPRET)  # K mismatch
     with pytest.raises(ValueError, match="w_scales has shape"):
-        int8_matmul(x, w, s[:8], interpret=True)
+        int8_matmul(x, w, s[:8], interpret=INTERPRET)
     xs = jnp.ones((2,), jnp.float32)
     with pytest.raises(ValueError, match="x has dtype"):
-        int8_int8_matmul(x, xs, w, s, interpret=True)  # float activations
+        int8_int8_matmul(x, xs, w, s, interpret=INTERPRET)  # float activations
     with pytest.raises(ValueError, match="x_scales has shape"):
-        int8_int8_matmul(x.astype(jnp.int8), xs[:1], w, s, interpret=True)
+        int8_int8_matmul(x.astype(jnp.int8), xs[:1], w, s, interpret=INTERPRET)
 
 
 # ----------------------------------------------------------------------------- Triton lowering

@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention
 from pallas_kernels.paged_attention import (
     AttentionBlockSizes,
-    _resolve_layer,
     default_attention_block_sizes,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.testing import ragged_attention_batch, relative_error, stack_layers
+from pallas_kernels.paged_attention import kernel as paged_attention
+from pallas_kernels.paged_attention.kernel import _resolve_layer
+from pallas_kernels.testing import INTERPRET, ragged_attention_batch, relative_error, stack_layers
 
 AXES = {
     "block_size": (8, 16),
@@ -73,7 +73,7 @@ def test_matches_reference(block_size, heads, head_dim, kv_dtype, window, partit
     )
     sizes = AttentionBlockSizes(block_rows=16, block_kv=block_kv, num_partitions=partitions)
     out = ragged_paged_attention(
-        *args, **kw, sliding_window=window, block_sizes=sizes, interpret=True
+        *args, **kw, sliding_window=window, block_sizes=sizes, interpret=INTERPRET
     )
     ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
@@ -89,7 +89,7 @@ def test_window_is_exact():
     """Negative control for the window: off by one position, the reference is far from the op."""
     args, kw = ragged_attention_batch(8, (8, 2), 32, "float32", seed=5)
     sizes = AttentionBlockSizes(block_kv=16, num_partitions=2)
-    out = ragged_paged_attention(*args, sliding_window=6, block_sizes=sizes, interpret=True)
+    out = ragged_paged_attention(*args, sliding_window=6, block_sizes=sizes, interpret=INTERPRET)
     assert (
         relative_error(out, ragged_paged_attention_reference(*args, sliding_window=6))
         <= TOL["float32"]
@@ -101,7 +101,7 @@ def test_window_is_exact():
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_bfloat16_default_block_sizes(kv_dtype):
     args, kw = ragged_attention_batch(16, (8, 2), 64, kv_dtype, q_dtype="bfloat16", seed=9)
-    out = ragged_paged_attention(*args, **kw, interpret=True)  # block sizes from the table
+    out = ragged_paged_attention(*args, **kw, interpret=INTERPRET)  # block sizes from the table
     ref = ragged_paged_attention_reference(*args, **kw)
     assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
     assert relative_error(out, ref) <= TOL["bfloat16"]
@@ -111,7 +111,7 @@ def test_group_not_power_of_two():
     """H / K = 3 query heads per kv head: the kernel pads the group to 4 and drops the pad."""
     args, _ = ragged_attention_batch(8, (6, 2), 32, "float32", seed=6)
     sizes = AttentionBlockSizes(block_kv=16)
-    out = ragged_paged_attention(*args, block_sizes=sizes, interpret=True)
+    out = ragged_paged_attention(*args, block_sizes=sizes, interpret=INTERPRET)
     assert relative_error(out, ragged_paged_attention_reference(*args)) <= TOL["float32"]
 
 
@@ -126,7 +126,7 @@ def test_decode_batch_matches_reference():
     q = q[rows]
     query_start = jnp.arange(len(rows) + 1, dtype=jnp.int32)
     assert default_attention_block_sizes(len(rows), len(rows)).block_rows == 16
-    out = ragged_paged_attention(q, k, v, query_start, seq_lens, tables, interpret=True)
+    out = ragged_paged_attention(q, k, v, query_start, seq_lens, tables, interpret=INTERPRET)
     ref = ragged_paged_attention_reference(q, k, v, query_start, seq_lens, tables)
     assert relative_error(out, ref) <= TOL["float32"]
 
@@ -143,10 +143,12 @@ def test_wide_heads_take_narrower_key_tiles(monkeypatch):
         assert default_attention_block_sizes(t, b, 1024).block_kv == 16  # never below a dot
     # The op picks the narrow tile by default and still matches the oracle.
     planned = []
-    real_plan = paged_attention._plan
-    monkeypatch.setattr(paged_attention, "_plan", lambda *a: planned.append(a[-1]) or real_plan(*a))
+    real_plan = paged_attention.plan_attention
+    monkeypatch.setattr(
+        paged_attention, "plan_attention", lambda *a: planned.append(a[-1]) or real_plan(*a)
+    )
     args, kw = ragged_attention_batch(16, (4, 2), 256, "float32", seed=9)
-    out = ragged_paged_attention(*args, **kw, interpret=True)
+    out = ragged_paged_attention(*args, **kw, interpret=INTERPRET)
     assert [s.block_kv for s in planned] == [32]
     assert relative_error(out, ragged_paged_attention_reference(*args, **kw)) <= TOL["float32"]
 
@@ -172,7 +174,7 @@ def test_layer_reads_stacked_pages(kv_dtype, window):
     sizes = AttentionBlockSizes(block_kv=16, num_partitions=2)
     out = ragged_paged_attention(
         *stacked_args, **stacked_kw, layer=jnp.int32(1), sliding_window=window,
-        block_sizes=sizes, interpret=True,
+        block_sizes=sizes, interpret=INTERPRET,
     )  # fmt: skip
     ref = ragged_paged_attention_reference(*args, **kw, sliding_window=window)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
@@ -194,7 +196,9 @@ def test_layer_indexes_like_jnp():
 
     @jax.jit
     def run(layer):  # traced: no check can see the value
-        return ragged_paged_attention(*stacked_args, layer=layer, block_sizes=sizes, interpret=True)
+        return ragged_paged_attention(
+            *stacked_args, layer=layer, block_sizes=sizes, interpret=INTERPRET
+        )
 
     for layer in (2, -1, 7):
         assert relative_error(run(jnp.int32(layer)), ref) <= TOL["float32"], layer
@@ -324,7 +328,7 @@ def _with(i, value):
 )
 def test_rejects_bad_inputs(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(*args(_valid()), **kwargs, interpret=True)
+        ragged_paged_attention(*args(_valid()), **kwargs, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("scale_layers", [None, 2])
@@ -335,7 +339,7 @@ def test_rejects_unstacked_scales_with_layer(scale_layers):
     scales = kw if scale_layers is None else stack_layers(args, kw, 0, num_layers=scale_layers)[1]
     want = re.escape(str(stacked_kw["k_scale"].shape))
     with pytest.raises(ValueError, match=f"k_scale has shape .*; expected float32 {want}"):
-        ragged_paged_attention(*stacked_args, **scales, layer=0, interpret=True)
+        ragged_paged_attention(*stacked_args, **scales, layer=0, interpret=INTERPRET)
 
 
 # ----------------------------------------------------------------------------- Triton lowering

@@ -13,9 +13,9 @@ import pytest
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.model import forward_dense, init_params
+from jaxinfer.qtensor import Int4Weight, Int8Weight, make_int4
 from jaxinfer.quant import artifact
 from jaxinfer.quant.calibrate import QuantConfig
-from jaxinfer.quant.formats import Int4Weight, Int8Weight, make_int4
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 
 CFG = ModelConfig(

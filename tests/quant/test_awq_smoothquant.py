@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import qtensor as formats
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward_dense, init_params
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant import awq, formats, smoothquant
+from jaxinfer.quant import awq, smoothquant
 from jaxinfer.quant.calibrate import fold_scales, scale_plan
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 

@@ -10,9 +10,9 @@ import pytest
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward_dense, init_params
 from jaxinfer.model.decoder import decoder_layer_dense
+from jaxinfer.qtensor import Int4Weight, Int8Weight
 from jaxinfer.quant import calibrate, gptq
 from jaxinfer.quant.calibrate import QuantConfig, quantize, quantize_with_report
-from jaxinfer.quant.formats import Int4Weight, Int8Weight
 
 # Every linear is [32, 32] (one compile per jitted function), H == K with qkv bias and tied
 # embeddings: the AWQ o->wv fold, the bias fold and the tied-head path all run.

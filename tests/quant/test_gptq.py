@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import qtensor as formats
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant import formats
 from jaxinfer.quant.gptq import gptq_quantize, hessian
 from jaxinfer.quant.rtn import rtn_quantize
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from jaxinfer import qtensor as formats
 from jaxinfer.config import ModelConfig, to_hf_config
 from jaxinfer.model import forward_dense
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant import formats
 from jaxinfer.quant.importers import (
     MODULES,
     import_awq_linear,

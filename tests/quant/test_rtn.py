@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.quant import formats
+from jaxinfer import qtensor as formats
 from jaxinfer.quant.rtn import group_params, quantize_int8, rtn_quantize
 
 

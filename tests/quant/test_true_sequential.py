@@ -13,9 +13,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import init_params
 from jaxinfer.model.decoder import decoder_layer_dense
 from jaxinfer.model.params import LINEAR_NAMES
+from jaxinfer.qtensor import dequantize, resolve_group_size
 from jaxinfer.quant import calibrate, gptq
 from jaxinfer.quant.calibrate import INPUT_OF, QuantConfig, quantize, quantize_with_report
-from jaxinfer.quant.formats import dequantize, resolve_group_size
 
 # GQA (H = 2, K = 1) with qkv bias, as the shipped target has GQA: wk/wv are [32, 16].
 CFG = ModelConfig(

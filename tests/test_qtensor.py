@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import qtensor as formats
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant import formats
-from jaxinfer.quant.formats import Int4Weight, Int8Weight
+from jaxinfer.qtensor import Int4Weight, Int8Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int8_matmul import int8_int8_matmul_reference, int8_matmul_reference

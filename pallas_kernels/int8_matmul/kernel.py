@@ -1,17 +1,7 @@
-"""int8 weight matmuls: W8A16 (`int8_matmul`) and W8A8 (`int8_int8_matmul`, SmoothQuant).
+"""The int8 matmul Pallas kernels, W8A16 and W8A8 (Triton backend; `interpret=True` on CPU).
 
-  W8A16  x [M, K] float, w [K, N] int8, w_scales [N] float (per output channel)
-         y = (x @ w) * w_scales[None, :]                                  float32 accumulation
-  W8A8   x [M, K] int8 with x_scales [M] (per token, dynamic), w [K, N] int8 with w_scales [N]
-         y = (x @ w as int32) * x_scales[:, None] * w_scales[None, :]      exact int32 accumulation
-
-A per-output-channel (and per-token) scale is constant along K, so it is applied once, after the
-K reduction, instead of on every tile: mathematically the same as dequantizing the weight. Tiling,
-split-K and the block-size table are shared with `int4_matmul.py`; each kernel writes a partial
-sum per K split (float32 or int32) and the op sums the splits (exact for int32) and scales.
-
-Layers: `_int8_kernel` (both variants; the dot's accumulator type is the only difference),
-`_int8_pallas_call`, the jitted public ops, and the pure-jnp references.
+Layers: `_int8_kernel` (both variants), `_int8_pallas_call`, and the jitted, validating
+`int8_matmul` / `int8_int8_matmul`; the oracles are in `reference.py`.
 """
 
 from __future__ import annotations
@@ -23,14 +13,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.int4_matmul import (
+from pallas_kernels.split_k import compiler_params, split_k_range
+from pallas_kernels.tiling import (
     MatmulBlockSizes,
     TilePlan,
     check_activations,
-    compiler_params,
     default_block_sizes,
     plan_tiles,
-    split_k_range,
 )
 
 # ----------------------------------------------------------------------------- kernel
@@ -169,47 +158,5 @@ def int8_int8_matmul(
         )
     _check_weight(w, w_scales, x.shape[1])
     acc = _split_k_matmul(x, w, block_sizes, interpret)  # [M, N] int32, exact
-    y = acc.astype(jnp.float32) * x_scales.astype(jnp.float32)[:, None]
-    return (y * w_scales.astype(jnp.float32)[None, :]).astype(out_dtype)
-
-
-# ----------------------------------------------------------------------------- references
-
-
-@jax.jit
-def int8_matmul_reference(x: jax.Array, w: jax.Array, w_scales: jax.Array) -> jax.Array:
-    """Pure-jnp oracle for `int8_matmul`: dequantize in float32, then `jnp.dot`.
-
-    Args:
-      x: `[M, K]` float activations.
-      w: `[K, N]` int8.
-      w_scales: `[N]` float.
-
-    Returns:
-      `[M, N]` in x's dtype.
-    """
-    wf = w.astype(jnp.float32) * w_scales.astype(jnp.float32)[None, :]  # [K, N]
-    y = jnp.dot(x.astype(jnp.float32), wf, precision=lax.Precision.HIGHEST)
-    return y.astype(x.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def int8_int8_matmul_reference(
-    x: jax.Array,
-    x_scales: jax.Array,
-    w: jax.Array,
-    w_scales: jax.Array,
-    *,
-    out_dtype: jnp.dtype = jnp.float32,
-) -> jax.Array:
-    """Pure-jnp oracle for `int8_int8_matmul`: int32 `jnp.dot`, then both scales in float32.
-
-    Args:
-      x, x_scales, w, w_scales, out_dtype: as in `int8_int8_matmul`.
-
-    Returns:
-      `[M, N]` in `out_dtype`.
-    """
-    acc = jnp.dot(x.astype(jnp.int32), w.astype(jnp.int32))  # [M, N] int32
     y = acc.astype(jnp.float32) * x_scales.astype(jnp.float32)[:, None]
     return (y * w_scales.astype(jnp.float32)[None, :]).astype(out_dtype)

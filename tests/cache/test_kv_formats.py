@@ -6,7 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.quant.kv import dequantize_kv, kv_bytes_per_token, kv_storage_dtype, quantize_kv
+from jaxinfer.cache.kv_formats import (
+    dequantize_kv,
+    kv_bytes_per_token,
+    kv_storage_dtype,
+    quantize_kv,
+)
 
 
 def kv_vectors(seed=0):

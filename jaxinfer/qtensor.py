@@ -6,8 +6,12 @@ dataclasses: arrays are data fields (they may carry a leading layer axis L, whic
 slices away), sizes and flags are static fields, and the static `shape` is always the per-layer
 `(in, out)`.
 
+This module is a leaf: model, ops and quant all import it, and it imports only jax and the
+Pallas-free nibble layout of `pallas_kernels.int4_matmul.reference`, which the kernel unpacks with
+too, so the layout is written once.
+
 Int4Weight semantics (the reference every kernel is tested against, see
-`pallas_kernels/int4_matmul.py`):
+`pallas_kernels/int4_matmul/`):
 
   packed [in/8, out] uint32   row 8r + j of q is nibble j of word r: (packed[r] >> 4j) & 0xF
   scales [in/G, out]          in the activation dtype
@@ -31,8 +35,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.int4_matmul.reference import pack_int4, unpack_int4
+
 INT4_BITS = (2, 3, 4)  # codes stored in 4-bit containers
-_NIBBLE_SHIFTS = (0, 4, 8, 12, 16, 20, 24, 28)
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +66,11 @@ class Int4Weight:
     def num_groups(self) -> int:
         return self.shape[0] // self.group_size
 
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        """The leading axes the arrays carry before the per-layer `(in, out)` (e.g. `(L,)`)."""
+        return tuple(self.packed.shape[:-2])
+
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
@@ -78,6 +88,11 @@ class Int8Weight:
     def __post_init__(self):
         if len(self.shape) != 2:
             raise ValueError(f"Int8Weight shape={self.shape!r}; expected (in, out)")
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        """The leading axes the arrays carry before the per-layer `(in, out)` (e.g. `(L,)`)."""
+        return tuple(self.q.shape[:-2])
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
@@ -127,34 +142,8 @@ def resolve_group_size(group_size: int | None, d_in: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Packing
+# Packing (`pack_int4` / `unpack_int4`: the nibble layout of pallas_kernels, re-exported here)
 # --------------------------------------------------------------------------------------------
-
-
-def pack_int4(q: jax.Array) -> jax.Array:
-    """Packs 4-bit codes along the input axis.
-
-    Args:
-      q: `[..., in, out]` integers in 0..15 (higher bits are not masked: keep codes in range).
-
-    Returns:
-      `[..., in/8, out]` uint32; row 8r + j of q is bits 4j..4j+3 of word r.
-    """
-    *lead, d_in, d_out = q.shape
-    if d_in % 8:
-        raise ValueError(f"pack_int4: input dimension {d_in} must be a multiple of 8")
-    q = q.astype(jnp.uint32).reshape(*lead, d_in // 8, 8, d_out)  # [..., in/8, 8, out]
-    shifts = jnp.asarray(_NIBBLE_SHIFTS, jnp.uint32)[:, None]  # [8, 1]
-    # The nibbles do not overlap, so a sum is a bitwise or.
-    return jnp.sum(q << shifts, axis=-2, dtype=jnp.uint32)  # [..., in/8, out]
-
-
-def unpack_int4(packed: jax.Array) -> jax.Array:
-    """Inverse of `pack_int4`: `[..., in/8, out]` uint32 -> `[..., in, out]` int32 in 0..15."""
-    *lead, rows, d_out = packed.shape
-    shifts = jnp.asarray(_NIBBLE_SHIFTS, jnp.uint32)[:, None]  # [8, 1]
-    q = (packed.astype(jnp.uint32)[..., None, :] >> shifts) & 0xF  # [..., in/8, 8, out]
-    return q.reshape(*lead, rows * 8, d_out).astype(jnp.int32)
 
 
 def make_int4(
