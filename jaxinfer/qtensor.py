@@ -17,15 +17,22 @@ Int4Weight semantics (the reference every kernel is tested against, see
   scales [in/G, out]          in the activation dtype
   zeros  [in/G, out] int32    integer zero points in 0 .. 2**bits - 1 (unpacked, one per group)
   perm   [in] int32 | None    act order: stored row k holds input feature perm[k]
-  w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]   computed in float32
+  mins   [in/G, out] | None   float offsets, in the scales' dtype (GGUF Q4_1: w = d * q + m)
+  w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (+ mins[k // G, n])   in float32
   y = x[..., perm] @ w        (y = x @ w when perm is None)
+
+`mins` is for formats whose offset is a float rather than an integer zero point (llama.cpp's
+Q4_1 stores `d` and `m` per block of 32); with it the dequantization is bit for bit the `gguf`
+library's `d * q + m` (zeros 0), so a GGUF file is served as stored, not re-quantized.
 
 2- and 3-bit codes are stored in the same 4-bit containers (codes < 2**bits), so the kernel
 consumes one layout. Per-channel quantization is `group_size == in`.
 
 Int8Weight: `q [in, out]` int8, `scales [out]` float32, w = q * scales (symmetric, per output
 channel). With `act_quant` (W8A8, SmoothQuant) activations are quantized per token at run time
-and the product accumulates in int32; otherwise (W8A16) activations stay float.
+and the product accumulates in int32; otherwise (W8A16) activations stay float. Grouped
+(`group_size` G, W8A16 only; GGUF Q8_0 has G = 32): `scales [in/G, out]` float32 and
+w[k, n] = q[k, n] * scales[k // G, n].
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Int4Weight:
     group_size: int = dataclasses.field(metadata=dict(static=True))  # G; G == in: per channel
     bits: int = dataclasses.field(metadata=dict(static=True))  # 2, 3 or 4
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # per-layer (in, out)
+    mins: jax.Array | None = None  # [(L,) in/G, out] scales' dtype: float offsets (Q4_1), or None
 
     def __post_init__(self):
         # Only static fields are checked: pytree unflattening may pass placeholders as arrays.
@@ -78,16 +86,27 @@ class Int4Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """A symmetric per-output-channel int8 weight: w = q * scales."""
+    """A symmetric int8 weight, per output channel (w = q * scales) or grouped along `in`."""
 
     q: jax.Array  # [(L,) in, out] int8
-    scales: jax.Array  # [(L,) out] float32
+    scales: jax.Array  # [(L,) out] float32; grouped: [(L,) in/G, out]
     act_quant: bool = dataclasses.field(metadata=dict(static=True))  # True: W8A8, else W8A16
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # per-layer (in, out)
+    # G rows of `in` share a scale (GGUF Q8_0: 32); None: one scale per output channel.
+    group_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if len(self.shape) != 2:
             raise ValueError(f"Int8Weight shape={self.shape!r}; expected (in, out)")
+        g = self.group_size
+        if g is not None:
+            if not isinstance(g, int) or g < 1 or self.shape[0] % g:
+                raise ValueError(
+                    f"Int8Weight group_size={g!r} must be a positive divisor of the input "
+                    f"dimension {self.shape[0]}"
+                )
+            if self.act_quant:
+                raise ValueError("a grouped Int8Weight is weight-only (W8A16): act_quant=False")
 
     @property
     def lead_shape(self) -> tuple[int, ...]:
@@ -154,6 +173,7 @@ def make_int4(
     bits: int,
     group_size: int,
     perm: jax.Array | None = None,
+    mins: jax.Array | None = None,
 ) -> Int4Weight:
     """Builds an `Int4Weight` from unpacked codes, validating shapes.
 
@@ -164,6 +184,7 @@ def make_int4(
       bits: 2, 3 or 4.
       group_size: G.
       perm: optional `[..., in]` act-order permutation (stored row k is input feature perm[k]).
+      mins: optional `[..., in/G, out]` float offsets added after scaling (cast to scales' dtype).
 
     Returns:
       The packed weight.
@@ -171,8 +192,8 @@ def make_int4(
     shape = tuple(q.shape[-2:])
     check_int4_static(shape, group_size, bits)
     want = (*q.shape[:-2], shape[0] // group_size, shape[1])
-    for name, arr in (("scales", scales), ("zeros", zeros)):
-        if tuple(arr.shape) != want:
+    for name, arr in (("scales", scales), ("zeros", zeros), ("mins", mins)):
+        if arr is not None and tuple(arr.shape) != want:
             raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {want}")
     if perm is not None and tuple(perm.shape) != (*q.shape[:-2], shape[0]):
         raise ValueError(
@@ -186,6 +207,7 @@ def make_int4(
         group_size=group_size,
         bits=bits,
         shape=shape,
+        mins=None if mins is None else jnp.asarray(mins, scales.dtype),
     )
 
 
@@ -202,7 +224,7 @@ def dequantize_rows(w: Int4Weight, dtype=None) -> jax.Array:
       dtype: output dtype; defaults to the activation dtype (`w.scales.dtype`).
 
     Returns:
-      `(q - z) * s` with rows in stored (possibly act-order permuted) order.
+      `(q - z) * s (+ mins)` with rows in stored (possibly act-order permuted) order.
     """
     d_in, d_out = w.shape
     lead = w.packed.shape[:-2]
@@ -211,6 +233,8 @@ def dequantize_rows(w: Int4Weight, dtype=None) -> jax.Array:
     z = w.zeros[..., :, None, :]  # [..., g, 1, out]
     s = w.scales.astype(jnp.float32)[..., :, None, :]  # [..., g, 1, out]
     deq = (q - z).astype(jnp.float32) * s  # [..., g, G, out]
+    if w.mins is not None:
+        deq = deq + w.mins.astype(jnp.float32)[..., :, None, :]  # [..., g, G, out]
     return deq.reshape(*lead, d_in, d_out).astype(dtype or w.scales.dtype)
 
 
@@ -239,7 +263,13 @@ def dequantize(w, dtype=None) -> jax.Array:
             rows = jnp.take_along_axis(rows, inverse_perm(w.perm)[..., :, None], axis=-2)
         return rows.astype(dtype or w.scales.dtype)
     if isinstance(w, Int8Weight):
-        deq = w.q.astype(jnp.float32) * w.scales.astype(jnp.float32)[..., None, :]
+        if w.group_size is None:
+            deq = w.q.astype(jnp.float32) * w.scales.astype(jnp.float32)[..., None, :]
+        else:
+            (d_in, d_out), lead = w.shape, w.lead_shape
+            q = w.q.astype(jnp.float32).reshape(*lead, d_in // w.group_size, w.group_size, d_out)
+            deq = q * w.scales.astype(jnp.float32)[..., :, None, :]  # [..., g, G, out]
+            deq = deq.reshape(*lead, d_in, d_out)
         return deq.astype(dtype or jnp.float32)
     return jnp.asarray(w) if dtype is None else jnp.asarray(w).astype(dtype)
 

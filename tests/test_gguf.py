@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -13,6 +15,7 @@ from gguf import GGUFReader, quants
 
 import jaxinfer as ji
 from jaxinfer.gguf import unpermute_rows
+from jaxinfer.qtensor import Int4Weight, Int8Weight, dequantize
 from tests.gguf_files import DEQUANTIZABLE, block_size, hf_permute, hf_tensors, write_gguf
 from tests.helpers import random_params
 
@@ -156,6 +159,66 @@ def test_saved_hf_dir_loads_in_transformers_with_the_same_logits(tmp_path):
     cfg2, params2 = ji.load_checkpoint(out)  # and back through jaxinfer's HF loader
     assert cfg2 == got_cfg
     np.testing.assert_array_equal(np.asarray(params2["layers"]["wq"]), params["layers"]["wq"])
+
+
+# ------------------------------------------------------------------------------- keep_quantized
+
+_KEPT = {T.Q4_0: (Int4Weight, 8, False), T.Q4_1: (Int4Weight, 0, True), T.Q8_0: (Int8Weight, 0, 0)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", list(_KEPT), ids=lambda t: t.name)
+def test_keep_quantized_dequantizes_bit_for_bit(tmp_path, arch, qtype):
+    cfg = _arch(SMALL, arch).replace(tie_word_embeddings=arch == "qwen2")
+    path, _ = _write(tmp_path, cfg, _types_for(cfg, qtype))
+    _, dense = ji.load_checkpoint(path)
+    got_cfg, kept = ji.load_checkpoint(path, keep_quantized=True)
+    kind, zero, has_mins = _KEPT[qtype]
+    deq = jax.jit(lambda w: dequantize(w, jnp.float32))  # compiled too: no fused multiply-add
+    for leaf in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        w = kept["layers"][leaf]
+        assert isinstance(w, kind) and w.group_size == 32, leaf
+        if kind is Int4Weight:
+            assert np.all(np.asarray(w.zeros) == zero) and (w.mins is not None) == has_mins
+        want = np.asarray(dense["layers"][leaf])
+        np.testing.assert_array_equal(np.asarray(dequantize(w, jnp.float32)), want, leaf)
+        np.testing.assert_array_equal(np.asarray(deq(w)), want, leaf)
+    # The head is kept too (a tied model's from token_embd); the gather uses a float copy.
+    assert isinstance(kept["lm_head"], kind)
+    head = np.asarray(dense["embed"]).T if got_cfg.tie_word_embeddings else dense["lm_head"]
+    np.testing.assert_array_equal(np.asarray(dequantize(kept["lm_head"], jnp.float32)), head)
+    np.testing.assert_array_equal(np.asarray(kept["embed"]), np.asarray(dense["embed"]))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24))
+    np.testing.assert_allclose(
+        np.asarray(ji.score(got_cfg, kept, tokens)),
+        np.asarray(ji.score(got_cfg, dense, tokens)),
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
+
+
+def test_keep_quantized_falls_back_to_float_for_other_and_mixed_types(tmp_path):
+    cfg = SMALL
+    types = _types_for(cfg, T.Q4_1) | {"blk.1.ffn_up.weight": T.Q4_0}  # one layer differs
+    types |= {f"blk.{i}.attn_v.weight": T.Q5_1 for i in range(cfg.num_layers)}
+    path, _ = _write(tmp_path, cfg, types)
+    _, dense = ji.load_checkpoint(path)
+    _, kept = ji.load_checkpoint(path, keep_quantized=True)
+    for leaf in ("w_up", "wv"):
+        assert isinstance(kept["layers"][leaf], jax.Array), leaf
+        np.testing.assert_array_equal(np.asarray(kept["layers"][leaf]), dense["layers"][leaf])
+    assert isinstance(kept["layers"]["w_gate"], Int4Weight)
+
+
+def test_keep_quantized_q4_1_through_the_pallas_kernel(tmp_path):
+    cfg = SMALL.replace(num_layers=1)
+    path, _ = _write(tmp_path, cfg, _types_for(cfg, T.Q4_1) | {"output.weight": T.F32})
+    _, dense = ji.load_checkpoint(path)
+    _, kept = ji.load_checkpoint(path, keep_quantized=True)
+    assert kept["layers"]["wq"].mins is not None
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 6))
+    want = np.asarray(ji.score(cfg, dense, tokens))
+    got = np.asarray(ji.forward_dense(kept, cfg, jnp.asarray(tokens), backend="pallas-interpret"))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------- bad input

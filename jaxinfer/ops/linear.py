@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops.backend import is_pallas, resolve_backend
-from jaxinfer.qtensor import Int4Weight, Int8Weight, dequantize_rows, quantize_per_token
+from jaxinfer.qtensor import (
+    Int4Weight,
+    Int8Weight,
+    dequantize,
+    dequantize_rows,
+    quantize_per_token,
+)
 
 
 def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto") -> jax.Array:
@@ -28,7 +34,7 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
     """
     if isinstance(w, jax.Array | jnp.ndarray):
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    elif isinstance(w, Int4Weight | Int8Weight) and is_pallas(backend := resolve_backend(backend)):
+    elif _has_kernel(w) and is_pallas(backend := resolve_backend(backend)):
         # Not a cycle breaker: the Pallas backend (and Pallas itself) loads only when it is used.
         from jaxinfer.ops import pallas
 
@@ -45,11 +51,17 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 
 
 # ------------------------------------------------------------------- quantized weights (XLA path)
-# Dequantize-and-dot. Int4: the same arithmetic as `qtensor.dequantize` followed by the
-# dense path, so `linear(x, w) == linear(x, dequantize(w))` (bit-exact without act-order perm).
+# Dequantize-and-dot. Int4 (with or without `mins`) and grouped Int8: the same arithmetic as
+# `qtensor.dequantize` followed by the dense path, so `linear(x, w) == linear(x, dequantize(w))`
+# (bit-exact without act-order perm).
 # Int8: the per-column scale is applied after the reduction (equal up to float rounding). The
 # Pallas kernels (`ops/pallas.py` over pallas_kernels/int4_matmul/, int8_matmul/) compute the
 # same products.
+
+
+def _has_kernel(w) -> bool:
+    # A grouped Int8Weight (GGUF Q8_0) has no Pallas kernel yet: it takes the XLA path.
+    return isinstance(w, Int4Weight) or (isinstance(w, Int8Weight) and w.group_size is None)
 
 
 def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
@@ -60,6 +72,8 @@ def _int4_linear(x: jax.Array, w: Int4Weight) -> jax.Array:
 
 
 def _int8_w8a16(x: jax.Array, w: Int8Weight) -> jax.Array:
+    if w.group_size is not None:  # grouped scales vary along `in`: dequantize, then dot
+        return jnp.dot(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
     # The per-output-channel scale is constant along `in`: applied once after the reduction.
     y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # int8 exact in bf16
     return y * w.scales.astype(jnp.float32)

@@ -28,6 +28,7 @@ def linear(x: jax.Array, w: Int4Weight | Int8Weight, *, interpret: bool) -> jax.
         y = int4_matmul(
             x2, w.packed, w.scales.astype(x.dtype), w.zeros,
             group_size=w.group_size, perm=w.perm, interpret=interpret,
+            mins=None if w.mins is None else w.mins.astype(x.dtype),
         )  # fmt: skip
     elif w.act_quant:
         xq, xs = quantize_per_token(x2)  # [M, in] int8, [M] float32

@@ -6,7 +6,9 @@ The weight uses the `Int4Weight` layout of DESIGN.md:
                             q[8*r + j, n] = (packed[r, n] >> 4*j) & 0xF
   scales  [K/G, N]          in the activation dtype
   zeros   [K/G, N] int32    integer zero points, 0..15
-  w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]        (per-channel: G = K)
+  mins    [K/G, N] | None   optional float offsets in the activation dtype (GGUF Q4_1)
+  w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (+ mins[k // G, n])
+                            (per-channel: G = K)
 
 Act-order (`perm`): the rows of the stored weight are in permuted order. Stored row k holds the
 weights of input feature perm[k], so `y = x[:, perm] @ w` with `w` the dequantized *stored*

@@ -27,12 +27,14 @@ from pallas_kernels.tiling import (
 # ----------------------------------------------------------------------------- kernel
 
 
-def _int4_kernel(x_ref, packed_ref, scales_ref, zeros_ref, out_ref, *, plan: TilePlan, group: int):
+def _int4_kernel(x_ref, packed_ref, scales_ref, zeros_ref, *refs, plan: TilePlan, group: int):
     # x_ref      [bm, K]        activations (already permuted), one M tile, all of K
     # packed_ref [K/8, bn]      uint32, 8 rows per word
     # scales_ref [K/G, bn]      activation dtype
     # zeros_ref  [K/G, bn]      int32
+    # mins_ref   [K/G, bn]      activation dtype; present only for a float-offset weight (Q4_1)
     # out_ref    [bm, bn]       float32 partial sum of this program's K split
+    mins_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     groups_per_tile = max(1, bk // group)  # 1 when the tile lies inside one group
     first, count = split_k_range(plan)
@@ -47,7 +49,13 @@ def _int4_kernel(x_ref, packed_ref, scales_ref, zeros_ref, out_ref, *, plan: Til
         rows_per_group = bk // groups_per_tile
         s = jnp.broadcast_to(s[:, None, :], (groups_per_tile, rows_per_group, bn)).reshape(bk, bn)
         z = jnp.broadcast_to(z[:, None, :], (groups_per_tile, rows_per_group, bn)).reshape(bk, bn)
-        w = ((q - z).astype(jnp.float32) * s).astype(x_ref.dtype)  # [bk, bn] dequantized tile
+        w = (q - z).astype(jnp.float32) * s  # [bk, bn]
+        if mins_ref is not None:  # the float offset of each group, added after scaling
+            mn = mins_ref[pl.ds(g0, groups_per_tile), :].astype(jnp.float32)  # [bk/G or 1, bn]
+            w = w + jnp.broadcast_to(mn[:, None, :], (groups_per_tile, rows_per_group, bn)).reshape(
+                bk, bn
+            )
+        w = w.astype(x_ref.dtype)  # [bk, bn] dequantized tile
         x = x_ref[:, pl.ds(k0, bk)]  # [bm, bk]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)  # [bm, bn]
 
@@ -62,6 +70,7 @@ def _int4_pallas_call(
     packed: jax.Array,  # [K/8, n_pad] uint32
     scales: jax.Array,  # [K/G, n_pad]
     zeros: jax.Array,  # [K/G, n_pad] int32
+    mins: jax.Array | None,  # [K/G, n_pad] or None
     *,
     plan: TilePlan,
     group: int,
@@ -70,6 +79,8 @@ def _int4_pallas_call(
 ) -> jax.Array:  # [splits, m_pad, n_pad] float32
     k = x.shape[1]
     bm, bn = plan.block_m, plan.block_n
+    group_spec = pl.BlockSpec((k // group, bn), lambda i, j, s: (0, j))
+    operands = (x, packed, scales, zeros) + (() if mins is None else (mins,))
     return pl.pallas_call(
         functools.partial(_int4_kernel, plan=plan, group=group),
         out_shape=jax.ShapeDtypeStruct((plan.splits, plan.m_pad, plan.n_pad), jnp.float32),
@@ -77,20 +88,21 @@ def _int4_pallas_call(
         in_specs=[
             pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
             pl.BlockSpec((k // 8, bn), lambda i, j, s: (0, j)),
-            pl.BlockSpec((k // group, bn), lambda i, j, s: (0, j)),
-            pl.BlockSpec((k // group, bn), lambda i, j, s: (0, j)),
-        ],
+            group_spec,
+            group_spec,
+        ]
+        + ([] if mins is None else [group_spec]),
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
         compiler_params=compiler_params(sizes),
         interpret=interpret,
         name="int4_matmul",
-    )(x, packed, scales, zeros)
+    )(*operands)
 
 
 # ----------------------------------------------------------------------------- public op
 
 
-def _check_int4_operands(x, packed, scales, zeros, group_size, perm) -> None:
+def _check_int4_operands(x, packed, scales, zeros, group_size, perm, mins=None) -> None:
     check_activations(x)
     m, k = x.shape
     if packed.dtype != jnp.uint32 or packed.ndim != 2:
@@ -115,6 +127,11 @@ def _check_int4_operands(x, packed, scales, zeros, group_size, perm) -> None:
         raise ValueError(f"zeros has dtype {zeros.dtype}; expected int32 zero points 0..15")
     if perm is not None and (perm.shape != (k,) or not jnp.issubdtype(perm.dtype, jnp.integer)):
         raise ValueError(f"perm has shape {perm.shape}, dtype {perm.dtype}; expected int [{k}]")
+    if mins is not None and (mins.shape != want or mins.dtype != x.dtype):
+        raise ValueError(
+            f"mins has shape {mins.shape}, dtype {mins.dtype}; expected {want} (K/G, N) in x's "
+            f"dtype {x.dtype}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_sizes", "interpret"))
@@ -128,6 +145,7 @@ def int4_matmul(
     perm: jax.Array | None = None,
     block_sizes: MatmulBlockSizes | None = None,
     interpret: bool = False,
+    mins: jax.Array | None = None,
 ) -> jax.Array:
     """`x @ w` for a grouped int4 weight, dequantized tile by tile inside the kernel.
 
@@ -141,11 +159,12 @@ def int4_matmul(
         so the result is `x[:, perm] @ w`.
       block_sizes: tile sizes; default from `default_block_sizes(M)`.
       interpret: run the kernel in the Pallas interpreter (CPU).
+      mins: optional `[K/G, N]` float offsets in x's dtype, `w = (q - z) * s + mins` (GGUF Q4_1).
 
     Returns:
       `[M, N]` in x's dtype, accumulated in float32.
     """
-    _check_int4_operands(x, packed, scales, zeros, group_size, perm)
+    _check_int4_operands(x, packed, scales, zeros, group_size, perm, mins)
     m, k = x.shape
     n = packed.shape[1]
     sizes = block_sizes or default_block_sizes(m)
@@ -156,7 +175,9 @@ def int4_matmul(
     if plan.n_pad != n:
         pad = ((0, 0), (0, plan.n_pad - n))
         packed, scales, zeros = jnp.pad(packed, pad), jnp.pad(scales, pad), jnp.pad(zeros, pad)
+        mins = None if mins is None else jnp.pad(mins, pad)
     partial = _int4_pallas_call(
-        x, packed, scales, zeros, plan=plan, group=group_size, sizes=sizes, interpret=interpret
-    )  # [splits, m_pad, n_pad] float32
+        x, packed, scales, zeros, mins,
+        plan=plan, group=group_size, sizes=sizes, interpret=interpret,
+    )  # fmt: skip  # [splits, m_pad, n_pad] float32
     return partial.sum(axis=0)[:m, :n].astype(x.dtype)

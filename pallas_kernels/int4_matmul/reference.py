@@ -53,11 +53,12 @@ def int4_matmul_reference(
     *,
     group_size: int,
     perm: jax.Array | None = None,
+    mins: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-jnp oracle: dequantize to float32 with the formula above, then `jnp.dot`.
 
     Args:
-      x, packed, scales, zeros, group_size, perm: as in `int4_matmul`.
+      x, packed, scales, zeros, group_size, perm, mins: as in `int4_matmul`.
 
     Returns:
       `[M, N]` in x's dtype.
@@ -66,6 +67,8 @@ def int4_matmul_reference(
     z = jnp.repeat(zeros, group_size, axis=0)  # [K, N]
     s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)  # [K, N]
     w = (q - z).astype(jnp.float32) * s  # [K, N]
+    if mins is not None:
+        w = w + jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)  # [K, N]
     xf = x.astype(jnp.float32)
     if perm is not None:
         xf = xf[:, perm]
