@@ -210,3 +210,54 @@ def dataclass_without_perm(w: Int4Weight) -> Int4Weight:
     import dataclasses
 
     return dataclasses.replace(w, perm=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Float offsets (Int4Weight.mins, GGUF Q4_1) and grouped Int8Weight (GGUF Q8_0)
+# --------------------------------------------------------------------------------------------
+
+
+def test_int4_mins_dequantize_and_linear():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (2, 64, 24))  # [L, in, out]
+    s = rng.uniform(0.01, 0.1, (2, 2, 24)).astype(np.float32)
+    m = rng.uniform(-1, 1, (2, 2, 24)).astype(np.float32)
+    w = formats.make_int4(
+        jnp.asarray(q), jnp.asarray(s), jnp.zeros((2, 2, 24), jnp.int32),
+        bits=4, group_size=32, mins=jnp.asarray(m),
+    )  # fmt: skip
+    want = q.astype(np.float32) * np.repeat(s, 32, 1) + np.repeat(m, 32, 1)  # numpy, float32
+    np.testing.assert_array_equal(np.asarray(formats.dequantize(w)), want)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    layer = jax.tree.map(lambda a: a[1], w)  # mins is a data leaf: sliced with the others
+    assert layer.mins.shape == (2, 24)
+    np.testing.assert_array_equal(
+        np.asarray(linear(x, layer)), np.asarray(linear(x, formats.dequantize(layer)))
+    )
+    with pytest.raises(ValueError, match="mins has shape"):
+        formats.make_int4(
+            jnp.asarray(q), jnp.asarray(s), jnp.zeros((2, 2, 24), jnp.int32),
+            bits=4, group_size=32, mins=jnp.zeros((2, 24)),
+        )  # fmt: skip
+
+
+def test_grouped_int8_dequantize_and_linear():
+    rng = np.random.default_rng(1)
+    q = rng.integers(-127, 128, (64, 24)).astype(np.int8)
+    s = rng.uniform(0.01, 0.1, (2, 24)).astype(np.float32)  # [in/G, out]
+    w = Int8Weight(q=jnp.asarray(q), scales=jnp.asarray(s), act_quant=False, shape=(64, 24),
+                   group_size=32)  # fmt: skip
+    want = q.astype(np.float32) * np.repeat(s, 32, 0)
+    np.testing.assert_array_equal(np.asarray(formats.dequantize(w)), want)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(linear(x, w)), np.asarray(linear(x, jnp.asarray(want)))
+    )
+    # The Pallas backends have no grouped int8 kernel: they take the same XLA path.
+    np.testing.assert_array_equal(
+        np.asarray(linear(x, w, backend="pallas-interpret")), np.asarray(linear(x, w))
+    )
+    with pytest.raises(ValueError, match="group_size=24 must be a positive divisor"):
+        Int8Weight(q=w.q, scales=w.scales, act_quant=False, shape=(64, 24), group_size=24)
+    with pytest.raises(ValueError, match="weight-only"):
+        Int8Weight(q=w.q, scales=w.scales, act_quant=True, shape=(64, 24), group_size=32)

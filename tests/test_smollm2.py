@@ -165,3 +165,75 @@ def test_generate_batch_of_ragged_prompts_matches_transformers(model, prompts, h
     outs = ji.generate(cfg, params, prompts, sampling)
     for i, (out, want) in enumerate(zip(outs, hf_reference[1])):
         assert out.token_ids == want, f"prompt {i} (len {LENS[i]})"
+
+
+# ------------------------------------------------------------------------------- as stored
+
+
+def test_every_tensor_equals_the_gguf_dequantization(path, model):
+    from gguf import GGUFReader, quants
+
+    from jaxinfer.gguf.loader import gguf_names, unpermute_rows
+
+    cfg, params = model
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for key, name in gguf_names(cfg).items():
+        t = tensors[name]
+        want = quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
+        if key[0] == "layers":
+            leaf, i = key[1], key[2]
+            if leaf in ("wq", "wk"):  # llama: rows permuted by the converter
+                want = unpermute_rows(want, cfg.num_heads if leaf == "wq" else cfg.num_kv_heads)
+            got = params["layers"][leaf][i]
+            want = want if leaf.endswith("norm") else want.T
+        else:
+            got = params[key[0]]
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def kept(path):
+    return ji.load_checkpoint(path, keep_quantized=True)
+
+
+def test_q4_1_tensors_are_kept_as_stored(model, kept):
+    from jaxinfer.qtensor import Int4Weight, Int8Weight, dequantize
+
+    cfg, dense = model
+    _, params = kept
+    for leaf in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        w = params["layers"][leaf]
+        assert isinstance(w, Int4Weight) and w.mins is not None and w.group_size == 32, leaf
+        np.testing.assert_array_equal(np.asarray(dequantize(w)), np.asarray(dense["layers"][leaf]))
+    head = params["lm_head"]  # token_embd is Q8_0: the tied head is a grouped int8 weight
+    assert isinstance(head, Int8Weight) and head.group_size == 32
+    np.testing.assert_array_equal(np.asarray(dequantize(head)), np.asarray(dense["embed"]).T)
+    # 4-bit codes plus float32 scales and mins and int32 zeros per 32 weights: 7/32 of float32
+    # (the file's Q4_1 blocks are 5/32: float16 d and m, no zeros).
+    stored = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+    assert stored < 0.22 * sum(x.nbytes for x in jax.tree.leaves(dense["layers"]))
+
+
+def test_q4_1_served_as_stored_matches_the_float_model(model, kept, prompts):
+    cfg, dense = model
+    _, params = kept
+    for p in (prompts[3], prompts[5]):  # 40 and 200 tokens
+        tokens = np.asarray([p])
+        want = np.asarray(ji.score(cfg, dense, tokens))
+        got = np.asarray(ji.score(cfg, params, tokens))
+        np.testing.assert_allclose(got, want, atol=QUANT_ATOL, rtol=0)
+
+
+def test_q4_1_through_the_pallas_kernel_matches_the_float_model(model, kept, prompts):
+    """Interpret mode is slow on a CPU: the first 2 layers, 6 tokens."""
+    cfg, dense = model
+    cfg2 = cfg.replace(num_layers=2)
+
+    def first_layers(params):
+        layers = jax.tree.map(lambda a: a[:2], params["layers"])
+        return {**params, "layers": layers}
+
+    tokens = jnp.asarray([prompts[4][:6]])
+    want = np.asarray(ji.forward_dense(first_layers(dense), cfg2, tokens))
+    got = ji.forward_dense(first_layers(kept[1]), cfg2, tokens, backend="pallas-interpret")
+    np.testing.assert_allclose(np.asarray(got), want, atol=QUANT_ATOL, rtol=0)

@@ -150,6 +150,44 @@ def test_int4_reference_against_numpy():
     assert _rel_err(got, other) > 0.1
 
 
+@pytest.mark.parametrize(
+    "m,k,n,g,dtype,sizes",
+    [
+        (1, 576, 192, 32, "float32", None),  # SmolLM2's q/k shapes (Q4_1 blocks of 32)
+        (5, 384, 40, 32, "float32", None),  # odd N: mins padded like the scales
+        (16, 256, 64, 128, "bfloat16", None),  # K tile inside one group
+        (3, 256, 64, 32, "float32", MatmulBlockSizes(block_m=16, block_n=32, block_k=64)),
+    ],
+)
+def test_int4_with_mins_matches_reference(m, k, n, g, dtype, sizes):
+    """The float-offset variant (GGUF Q4_1): w = (q - z) * s + mins."""
+    x, packed, scales, zeros, q = _int4_problem(m, k, n, g, dtype, seed=m + k + n)
+    mins_np = np.random.default_rng(g).uniform(-1.0, 1.0, (k // g, n))
+    mins = jnp.asarray(mins_np, dtype)
+    kw = dict(group_size=g, mins=mins)
+    y = int4_matmul(x, packed, scales, zeros, **kw, block_sizes=sizes, interpret=INTERPRET)
+    ref = int4_matmul_reference(x, packed, scales, zeros, **kw)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    assert _rel_err(y, ref) <= REL_TOL[dtype]
+    if dtype == "float32":  # the oracle against float64 numpy; the mins matter (control)
+        s64, z = np.asarray(scales, np.float64), np.asarray(zeros)
+        w = (q - np.repeat(z, g, 0)) * np.repeat(s64, g, 0) + np.repeat(
+            np.asarray(mins, np.float64), g, 0
+        )
+        assert _rel_err(ref, np.asarray(x, np.float64) @ w) <= REL_TOL["float32"]
+        without = int4_matmul_reference(x, packed, scales, zeros, group_size=g)
+        assert _rel_err(without, ref) > 0.1
+
+
+def test_int4_rejects_bad_mins():
+    args, g = _valid_int4()
+    bad = jnp.zeros((args["scales"].shape[0], 8), jnp.float32)
+    with pytest.raises(ValueError, match="mins has shape"):
+        int4_matmul(**args, group_size=g, mins=bad, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="mins has shape"):
+        int4_matmul(**args, group_size=g, mins=args["scales"].astype(jnp.bfloat16))
+
+
 def test_pack_unpack_roundtrip_and_layout():
     q = np.random.default_rng(1).integers(0, 16, (64, 24))
     packed = np.asarray(pack_int4(jnp.asarray(q)))
