@@ -150,9 +150,14 @@ def test_saved_hf_dir_loads_in_transformers_with_the_same_logits(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    from_gguf = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 33))
     with torch.no_grad():
         want = hf(torch.tensor(tokens)).logits.numpy()
+        # transformers reads the saved directory exactly as it reads the GGUF file itself
+        np.testing.assert_array_equal(want, from_gguf(torch.tensor(tokens)).logits.numpy())
     np.testing.assert_allclose(
         np.asarray(ji.score(got_cfg, params, tokens)), want, atol=LOGIT_ATOL, rtol=0
     )
