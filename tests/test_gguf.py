@@ -201,6 +201,19 @@ def test_keep_quantized_dequantizes_bit_for_bit(tmp_path, arch, qtype):
     )  # fmt: skip
 
 
+def test_kept_weights_round_trip_through_a_quant_artifact(tmp_path):
+    types = {n: T.Q4_1 if ".ffn_" in n else T.Q8_0 for n in _types_for(SMALL, T.Q4_1)}
+    path, _ = _write(tmp_path, SMALL, types)
+    cfg, kept = ji.load_checkpoint(path, keep_quantized=True)
+    out = str(tmp_path / "artifact")
+    ji.quant.save(out, cfg, kept, ji.quant.QuantConfig(method="rtn", bits=4, group_size=32))
+    cfg2, loaded, _ = ji.quant.load(out)
+    assert cfg2 == cfg and jax.tree.structure(loaded) == jax.tree.structure(kept)
+    assert loaded["layers"]["w_up"].mins is not None and loaded["layers"]["wq"].group_size == 32
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_keep_quantized_falls_back_to_float_for_other_and_mixed_types(tmp_path):
     cfg = SMALL
     types = _types_for(cfg, T.Q4_1) | {"blk.1.ffn_up.weight": T.Q4_0}  # one layer differs
