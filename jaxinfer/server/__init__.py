@@ -90,6 +90,11 @@ class Server:
         self._thread: threading.Thread | None = None
 
     @property
+    def started(self) -> bool:
+        """Whether it accepts connections."""
+        return self._uvicorn.started
+
+    @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
