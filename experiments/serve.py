@@ -48,6 +48,12 @@ _REQUEST_LOG = flags.DEFINE_string("request_log", None, "JSONL request log; defa
 _SHUTDOWN_TIMEOUT = flags.DEFINE_float(
     "shutdown_timeout", 30.0, "Seconds in-flight requests get after SIGTERM.", lower_bound=0
 )
+_MAX_MODEL_LEN = flags.DEFINE_integer(
+    "max_model_len", None, "Longest prompt + completion; default the model's.", lower_bound=2
+)
+_MIN_TOKEN_BUCKET = flags.DEFINE_integer(
+    "min_token_bucket", ji.EngineConfig.min_token_bucket, "Smallest padded T.", lower_bound=1
+)
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile every step shape before serving.")
 _LOG_LEVEL = flags.DEFINE_enum(
     "uvicorn_log_level", "warning", ["debug", "info", "warning", "error"], "uvicorn's log level."
@@ -67,29 +73,42 @@ def model_path(name: str) -> str:
     return ji.models.path(name) if name in ji.models.names() else name
 
 
-def engine_config(cfg: ji.ModelConfig) -> ji.EngineConfig:
-    S = _BLOCK_SIZE.value
-    max_len = min(cfg.max_position_embeddings, (_NUM_BLOCKS.value - 1) * S)
+def engine_config(
+    cfg: ji.ModelConfig,
+    block_size: int = 16,
+    num_blocks: int = 1025,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    enable_prefix_caching: bool = True,
+    backend: str = "auto",
+    max_model_len: int | None = None,
+    min_token_bucket: int = ji.EngineConfig.min_token_bucket,
+) -> ji.EngineConfig:
+    """The served engine's config (bench_serve.py builds the in-process twin with it)."""
+    S = block_size
+    max_len = min(max_model_len or cfg.max_position_embeddings, (num_blocks - 1) * S)
     return ji.EngineConfig(
         block_size=S,
-        num_blocks=_NUM_BLOCKS.value,
-        max_num_seqs=_MAX_NUM_SEQS.value,
-        max_num_batched_tokens=_MAX_BATCHED.value,
-        enable_prefix_caching=_PREFIX_CACHING.value,
-        backend=_BACKEND.value,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        backend=backend,
         # B and M fixed: one compilation per token bucket T, all of them made by --warmup.
-        min_seq_bucket=_MAX_NUM_SEQS.value,
+        min_seq_bucket=max_num_seqs,
         min_block_bucket=bucket(math.ceil(max_len / S)),
+        min_token_bucket=min_token_bucket,
     )
 
 
-def warmup(engine: ji.Engine) -> None:
+def warmup(engine: ji.Engine, max_len: int | None = None) -> None:
     """One prompt per token bucket T the engine can use (greedy, 2 tokens), so serving compiles
     nothing; each prompt has its own token so the prefix cache cannot shorten it."""
     t, token = engine.config.min_token_bucket, 3
     top = bucket(engine.config.max_num_batched_tokens)
     while t <= top:
-        length = max(1, min(t, engine.config.max_num_batched_tokens - 1))
+        length = min(t, engine.config.max_num_batched_tokens - 1)
+        length = max(1, min(length, (max_len or engine.cfg.max_position_embeddings) - 2))
         engine.generate([[token] * length], ji.SamplingParams(temperature=0, max_tokens=2))
         t, token = 2 * t, token + 1
 
@@ -104,10 +123,14 @@ def main(argv):
             template = f.read()
     cfg, params = ji.load_checkpoint(path)
     tok = ji.load_tokenizer(path)
-    engine = ji.Engine(cfg, params, engine_config(cfg))
+    ecfg = engine_config(
+        cfg, _BLOCK_SIZE.value, _NUM_BLOCKS.value, _MAX_NUM_SEQS.value, _MAX_BATCHED.value,
+        _PREFIX_CACHING.value, _BACKEND.value, _MAX_MODEL_LEN.value, _MIN_TOKEN_BUCKET.value,
+    )  # fmt: skip
+    engine = ji.Engine(cfg, params, ecfg)
     if _WARMUP.value:
         t0 = time.perf_counter()
-        warmup(engine)
+        warmup(engine, _MAX_MODEL_LEN.value)
         logging.info("warmup: %.1f s", time.perf_counter() - t0)
     server = ji.server.Server(
         engine,
@@ -116,6 +139,7 @@ def main(argv):
         _PORT.value,
         model_name=name,
         chat_template=template,
+        max_model_len=_MAX_MODEL_LEN.value,
         max_waiting=_MAX_WAITING.value,
         request_log=_REQUEST_LOG.value,
         shutdown_timeout=_SHUTDOWN_TIMEOUT.value,

@@ -50,6 +50,7 @@ class Server:
       port: the port; 0 picks a free one (see `port` after construction).
       model_name: the model id of the API.
       chat_template: a jinja chat template overriding the tokenizer's.
+      max_model_len: the longest prompt + completion admitted; None: the model's positions.
       max_waiting: requests without a first token at once; more get 503 + Retry-After.
       request_log: a JSONL file, one line per finished request; None: off.
       shutdown_timeout: seconds in-flight requests may run after SIGTERM.
@@ -65,6 +66,7 @@ class Server:
         *,
         model_name: str = "model",
         chat_template: str | None = None,
+        max_model_len: int | None = None,
         max_waiting: int = 256,
         request_log: str | None = None,
         shutdown_timeout: float = 30.0,
@@ -74,7 +76,7 @@ class Server:
             raise ValueError(f"max_waiting={max_waiting!r}: expected an int >= 1")
         self.metrics = ServerMetrics(model_name, request_log)
         self.engine = AsyncEngine(engine, self.metrics, max_waiting)
-        self.app = build_app(self.engine, tokenizer, model_name, chat_template)
+        self.app = build_app(self.engine, tokenizer, model_name, chat_template, max_model_len)
         self.shutdown_timeout = shutdown_timeout
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -109,11 +109,12 @@ class _Choice:
 class _Server:
     """Per-app state: the engine thread, the tokenizer, the served model's limits."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, chat_template):
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, chat_template, max_len):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_template = chat_template
         eng = engine.engine
-        self.max_model_len = int(eng.cfg.max_position_embeddings)
+        positions = int(eng.cfg.max_position_embeddings)
+        self.max_model_len = min(int(max_len or positions), positions)
         self.block_size = eng.config.block_size
         self.pool_blocks = eng.config.num_blocks - 1
         self.max_n = eng.config.max_num_seqs
@@ -244,7 +245,11 @@ def _sse(obj: Any) -> str:
 
 
 def build_app(
-    engine: AsyncEngine, tokenizer: Any, model_name: str, chat_template: str | None = None
+    engine: AsyncEngine,
+    tokenizer: Any,
+    model_name: str,
+    chat_template: str | None = None,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started `AsyncEngine`.
 
@@ -254,8 +259,9 @@ def build_app(
         `chat_template` is used unless `chat_template` overrides it.
       model_name: the id clients pass as `model`.
       chat_template: a jinja chat template overriding the tokenizer's.
+      max_model_len: the longest prompt + completion admitted; None: the model's positions.
     """
-    srv = _Server(engine, tokenizer, model_name, chat_template)
+    srv = _Server(engine, tokenizer, model_name, chat_template, max_model_len)
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None)
     app.state.server = srv
 
