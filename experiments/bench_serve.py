@@ -35,12 +35,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging as std_logging
 import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -111,6 +113,12 @@ class ServerProcess:
         if self.url is None:
             self.stop()
             raise RuntimeError(f"the server did not start (exit {self.proc.returncode})")
+        # Keep reading its output, so a chatty server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            logging.debug("server: %s", line.rstrip())
 
     def rss_mb(self) -> float | None:
         try:
@@ -401,10 +409,7 @@ def plot(results: dict, workdir: str) -> list[str]:
 
 def main(argv):
     del argv
-    logging.get_absl_logger()  # absl's handler; the per-request lines of httpx are noise
-    import logging as std_logging
-
-    std_logging.getLogger("httpx").setLevel(std_logging.WARNING)
+    std_logging.getLogger("httpx").setLevel(std_logging.WARNING)  # a line per request
     workdir = sb._WORKDIR.value
     if workdir == "runs/serve_bench":  # serve_bench's default
         workdir = "runs/bench_serve"

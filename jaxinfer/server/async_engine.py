@@ -32,6 +32,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("jaxinfer.server")
+_KEEP_STEPS = 10_000  # step records of the engine's collector kept (see _finish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._deadline = float("inf")
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self.error: BaseException | None = None  # set if the thread itself died
+        self._q = self._h = 0  # prefix-cache queries / hits already counted
 
     # ----------------------------------------------------------------- handler side
 
@@ -293,6 +295,12 @@ class AsyncEngine:
                 track.sink([EngineFailure(rid, message)])
 
     def _finish(self, rid: Hashable, now: float) -> None:
+        # A server runs for days: the engine's own records of finished requests and past steps
+        # (its in-process summary) are dropped; Prometheus and the request log keep the figures.
+        mc = self.engine.metrics_collector
+        mc.requests.pop(rid, None)
+        if len(mc.steps) > 2 * _KEEP_STEPS:
+            del mc.steps[:-_KEEP_STEPS]
         track = self._tracks.pop(rid)
         if track.first is None:
             self.release(1)
@@ -321,8 +329,8 @@ class AsyncEngine:
         m.kv_usage.set(used / total)
         m.prefix_hit_rate.set(alloc.prefix_cache_hit_rate)
         q, h = alloc.prefix_cache_queries, alloc.prefix_cache_hits
-        m.prefix_queries.inc(q - getattr(self, "_q", 0))
-        m.prefix_hits.inc(h - getattr(self, "_h", 0))
+        m.prefix_queries.inc(q - self._q)
+        m.prefix_hits.inc(h - self._h)
         self._q, self._h = q, h
         with self._lock:
             gone = list(self._gone)
