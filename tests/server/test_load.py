@@ -140,3 +140,41 @@ def test_failed_step_is_500_and_the_next_request_succeeds(server, client, monkey
     assert "injected device failure" in str(e.value)
     served(client)
     assert metric(server, "jaxinfer:kv_cache_used_blocks") == 0
+
+
+def test_engine_error_output_is_500_for_that_request_only(server, client, monkeypatch):
+    """The hardened engine's contract: a failed step returns its samples finished with
+    finish_reason "error" and `error` set (and has freed them). Emulated on this engine."""
+    import types
+
+    engine = server.engine.engine
+    real_step = engine.step
+    marked = []
+
+    def step():
+        outs = real_step()
+        for i, o in enumerate(outs):
+            if str(o.request_id) in marked[:1] and not o.request_finished:
+                engine.abort(o.request_id)
+                outs[i] = types.SimpleNamespace(
+                    **{**o.__dict__, "finished": True, "finish_reason": "error",
+                       "request_finished": True, "error": "step failed: injected"}
+                )  # fmt: skip
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+    real_submit = server.engine.submit
+
+    def submit(prompt, sampling, request_id, sink):
+        if not marked:
+            marked.append(str(request_id))
+        return real_submit(prompt, sampling, request_id, sink)
+
+    monkeypatch.setattr(server.engine, "submit", submit)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert "injected" in str(e.value)
+    served(client)
+    assert metric(server, "jaxinfer:kv_cache_used_blocks") == 0
