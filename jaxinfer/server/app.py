@@ -509,12 +509,18 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
                     pre = [(prompts[i][0], None, None)] + prompt_lps[i] if prompt_lps else []
                     yield chunk(ch, prompt_text[i], pre)
             while not all(ch.finished for ch in choices):
-                for ch, text, entries in apply(await queue.get()):
+                items = await queue.get()
+                while not queue.empty():  # steps that came while we were sending: one write
+                    items = items + queue.get_nowait()
+                sse = []
+                for ch, text, entries in apply(items):
                     if ch.finish_reason == "error":
                         err = P.APIError(500, ch.error, None, "engine_step_failed")
-                        yield _sse(err.body())
+                        sse.append(_sse(err.body()))
                     elif text or entries or ch.finished:
-                        yield chunk(ch, text, entries)
+                        sse.append(chunk(ch, text, entries))
+                if sse:
+                    yield "".join(sse)
             if include_usage:
                 yield _sse(
                     {
