@@ -9,10 +9,10 @@
 A request with k prompts and n samples is k engine requests (each forking its n samples off the
 prompt's blocks); choice `i * n + j` is sample j of prompt i. Every engine request delivers its
 outputs into the one asyncio queue of the HTTP request. Text is detokenized incrementally per
-choice and passed through its stop strings (detokenizer.py). A choice that meets a stop string is
-finished here; once every choice of an engine request is finished, the request is aborted so its
-blocks go back at once. When the client goes away (a cancelled stream or a disconnect seen while
-waiting), every engine request of the HTTP request is aborted.
+choice and passed through its stop strings (responses.Choice over detokenizer.py). A choice
+that meets a stop string is finished here; once every choice of an engine request is finished,
+the request is aborted so its blocks go back at once. When the client goes away (a cancelled
+stream or a disconnect seen while waiting), every engine request of the HTTP request is aborted.
 
 Status codes: 400 invalid request (the `param` names the field), 404 unknown model or route,
 413 a request that needs more KV blocks than the pool holds, 503 + Retry-After when the waiting
@@ -24,7 +24,6 @@ failed; a streaming response that already started reports that as an error event
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 import uuid
@@ -38,72 +37,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.chat import apply_chat_template
 from jaxinfer.server import protocol as P
+from jaxinfer.server import responses as R
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
-from jaxinfer.server.detokenizer import (
-    IncrementalDetokenizer,
-    StopMatcher,
-    decode,
-    encode,
-    encode_prompt,
-)
+from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: a byte-level BPE token's characters -> bytes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTES = _byte_decoder()
-
-
-class _Choice:
-    """The text, tokens and logprobs of one choice as they stream in."""
-
-    def __init__(self, index: int, tokenizer, prompt: list[int], stops: list[str]):
-        self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt)
-        self.stop = StopMatcher(stops)
-        self.token_ids: list[int] = []
-        self.logprobs: list[tuple[int, float, tuple]] = []  # (id, logprob, top)
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-
-    def feed(self, out) -> tuple[str, list]:
-        """A StreamOutput of this choice -> (text to send, its new logprob entries)."""
-        if self.finished:
-            return "", []
-        ids = list(out.new_token_ids)
-        self.token_ids += ids
-        entries = [(t, lp, top) for t, (lp, top) in zip(ids, out.logprobs or ())]
-        self.logprobs += entries
-        piece = self.detok.add(ids)
-        if out.finished:
-            piece += self.detok.flush()
-        self.stop.push(piece)
-        error = getattr(out, "error", None)
-        if error or out.finish_reason == "error":
-            self.finished, self.finish_reason = True, "error"
-            self.error = error or "engine step failed"
-        elif self.stop.stopped:
-            self.finished, self.finish_reason = True, "stop"
-        elif out.finished:
-            self.finished, self.finish_reason = True, out.finish_reason
-        return self.stop.release(final=self.finished), entries
-
-    def fail(self, message: str) -> None:
-        if not self.finished:
-            self.finished, self.finish_reason, self.error = True, "error", message
 
 
 class _Server:
@@ -132,8 +70,8 @@ class _Server:
 
     def token_bytes(self, tid: int) -> list[int]:
         raw = getattr(self.tokenizer, "id_to_token", lambda _: None)(tid)
-        if raw and all(c in _BYTES for c in raw):
-            return [_BYTES[c] for c in raw]
+        if raw and all(c in R.BYTES for c in raw):
+            return [R.BYTES[c] for c in raw]
         return list(self.token_text(tid).encode("utf-8"))
 
     def check_model(self, name: str) -> None:
@@ -199,46 +137,6 @@ async def _parse(request: Request, model: type[P.BaseModel]):
         return model.model_validate_json(body)
     except ValidationError as e:
         raise P.validation_error(e.errors()) from None
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict:
-    p = sum(len(x) for x in prompts)
-    c = sum(len(ch.token_ids) for ch in choices)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _completion_logprobs(srv: _Server, entries: list, offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for tid, lp, top in entries:
-        s = srv.token_text(tid)
-        tokens.append(s)
-        lps.append(lp)
-        if top is None:
-            tops.append(None)
-        else:
-            d = {srv.token_text(j): v for j, v in top}
-            d.setdefault(s, lp)  # the sampled token is always there (vLLM)
-            tops.append(d)
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _chat_logprobs(srv: _Server, entries: list) -> dict:
-    def item(tid, lp):
-        return {"token": srv.token_text(tid), "logprob": lp, "bytes": srv.token_bytes(tid)}
-
-    content = [
-        {**item(tid, lp), "top_logprobs": [item(j, v) for j, v in top]} for tid, lp, top in entries
-    ]
-    return {"content": content, "refusal": None}
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 # ----------------------------------------------------------------------------- the app
@@ -389,7 +287,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
 
     n = sp.n
     choices = [
-        _Choice(i * n + j, srv.tokenizer, prompts[i], stops)
+        R.Choice(i * n + j, srv.tokenizer, prompts[i], stops)
         for i in range(len(prompts))
         for j in range(n)
     ]
@@ -397,7 +295,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     live = set(rids)  # engine requests that may still hold blocks
     prompt_text = [decode(srv.tokenizer, p) for p in prompts] if echo else None
 
-    def apply(items) -> list[tuple[_Choice, str, list]]:
+    def apply(items) -> list[tuple[R.Choice, str, list]]:
         """Routes one delivery; returns (choice, text, logprob entries) updates."""
         updates = []
         for item in items:
@@ -453,7 +351,11 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
                     entries = [(prompts[i][0], None, None)] + prompt_lps[i] + entries
             lp = None
             if logprobs is not None:
-                lp = _chat_logprobs(srv, entries) if chat else _completion_logprobs(srv, entries, 0)
+                lp = (
+                    R.chat_logprobs(srv, entries)
+                    if chat
+                    else R.completion_logprobs(srv, entries, 0)
+                )
             c = {"index": ch.index, "logprobs": lp, "finish_reason": ch.finish_reason}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
@@ -466,20 +368,20 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
             "created": created,
             "model": srv.model_name,
             "choices": out,
-            "usage": _usage(prompts, choices),
+            "usage": R.usage(prompts, choices),
         }
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     offsets = [0] * len(choices)
 
-    def chunk(ch: _Choice, text: str, entries: list, first: bool = False) -> str:
+    def chunk(ch: R.Choice, text: str, entries: list, first: bool = False) -> str:
         lp = None
         if logprobs is not None and (entries or not chat):
             if chat:
-                lp = _chat_logprobs(srv, entries)
+                lp = R.chat_logprobs(srv, entries)
             else:
-                lp = _completion_logprobs(srv, entries, offsets[ch.index])
+                lp = R.completion_logprobs(srv, entries, offsets[ch.index])
         offsets[ch.index] += len(text)
         reason = ch.finish_reason if ch.finished and ch.finish_reason != "error" else None
         if chat:
@@ -496,7 +398,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
         }
         if include_usage:
             body["usage"] = None
-        return _sse(body)
+        return R.sse(body)
 
     async def events():
         done = False
@@ -516,20 +418,20 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
                 for ch, text, entries in apply(items):
                     if ch.finish_reason == "error":
                         err = P.APIError(500, ch.error, None, "engine_step_failed")
-                        sse.append(_sse(err.body()))
+                        sse.append(R.sse(err.body()))
                     elif text or entries or ch.finished:
                         sse.append(chunk(ch, text, entries))
                 if sse:
                     yield "".join(sse)
             if include_usage:
-                yield _sse(
+                yield R.sse(
                     {
                         "id": base,
                         "object": chunk_obj,
                         "created": created,
                         "model": srv.model_name,
                         "choices": [],
-                        "usage": _usage(prompts, choices),
+                        "usage": R.usage(prompts, choices),
                     }
                 )
             yield "data: [DONE]\n\n"
