@@ -24,6 +24,7 @@ failed; a streaming response that already started reports that as an error event
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -42,6 +43,7 @@ from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
 from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+log = logging.getLogger("jaxinfer.server")
 
 
 class _Server:
@@ -167,6 +169,12 @@ def build_app(
     async def _api_error(request: Request, e: P.APIError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):  # a bug of the server: still an OpenAI body
+        log.exception("unhandled error in %s", request.url.path)
+        err = P.APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
+        return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
