@@ -37,6 +37,8 @@ class SamplingParams:
       seed: the request's randomness; same seed and prompt -> same output, in any batch.
       ignore_eos: do not stop on the model's eos token.
       n: parallel samples per prompt (the engine forks the prompt's blocks).
+      logprobs: None, or return the sampled token's log-probability and this many top
+        alternatives per token (the engine; the model's distribution before processing).
     """
 
     temperature: float = 1.0
@@ -48,6 +50,7 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         def bad(field, expected):
@@ -73,6 +76,10 @@ class SamplingParams:
             bad("seed", "an int in [0, 2**31)")
         if not is_int(self.n) or self.n < 1:
             bad("n", "an int >= 1")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+        ):
+            bad("logprobs", "None or an int in [0, 20]")
         stops = self.stop_token_ids
         if isinstance(stops, int | np.integer) or not all(is_int(s) and s >= 0 for s in stops):
             bad("stop_token_ids", "a sequence of non-negative ints")

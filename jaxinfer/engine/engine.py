@@ -154,6 +154,8 @@ class StreamOutput:
     finished: bool  # this sample finished
     finish_reason: str | None  # "stop", "length", "abort" once finished
     request_finished: bool  # every sample of the request finished
+    # With SamplingParams.logprobs: per new token (its logprob, ((id, logprob), ...) top-k).
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,28 @@ def _step(
     return tokens, cache
 
 
+def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    """Log-probabilities of `tokens [B]` under `logits [B, V]` and the top `k` of each row."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]  # [B]
+    top_lp, top_ids = jax.lax.top_k(logp, k)  # [B, k]
+    return chosen, top_ids, top_lp
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "backend", "num_logprobs"), donate_argnames=("cache",)
+)
+def _step_logprobs(
+    params, cache, meta, sample_src, sb, sample_pos, sample_index, *, cfg, backend, num_logprobs
+):
+    """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`)."""
+    STEP_TRACE_COUNTS["step"] += 1
+    logits, cache = forward(params, cfg, meta, cache, backend=backend)
+    rows = logits[sample_src]  # [B, V]
+    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
+    return (tokens, _token_logprobs(rows, tokens, num_logprobs)), cache
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     STEP_TRACE_COUNTS["copy"] += 1
@@ -214,6 +238,16 @@ def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, i
         groups[-1].append((src, dst))
         written.add(dst)
     return groups
+
+
+def _host_logprobs(ids, sps, chosen, top_ids, top_lp) -> dict[int, tuple]:
+    """seq id -> [(logprob, ((id, logprob), ...))] for the rows that asked for logprobs."""
+    out = {}
+    for r, (sid, sp) in enumerate(zip(ids, sps)):
+        if sp.logprobs is not None:
+            top = tuple(zip(top_ids[r, : sp.logprobs].tolist(), top_lp[r, : sp.logprobs].tolist()))
+            out[sid] = [(float(chosen[r]), top)]
+    return out
 
 
 def _padded(values: list[int], n: int) -> np.ndarray:
@@ -276,6 +310,7 @@ class Engine:
         self.step_shapes: collections.Counter = collections.Counter()  # (T, B, M) -> steps
         self.num_steps = 0  # steps that ran on the device
         self.last_schedule: Schedule | None = None
+        self._step_logprobs: dict[int, tuple] = {}  # seq id -> its logprobs of the last step
 
     # ------------------------------------------------------------------------ requests
 
@@ -379,7 +414,13 @@ class Engine:
             per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
             stream.append(
                 StreamOutput(
-                    o.request_id, j, list(o.new_token_ids), o.finished, reason, o.request_finished
+                    o.request_id,
+                    j,
+                    list(o.new_token_ids),
+                    o.finished,
+                    reason,
+                    o.request_finished,
+                    self._step_logprobs.get(o.seq_id) if o.new_token_ids else None,
                 )
             )
         for rid, n in per_request.items():
@@ -449,10 +490,19 @@ class Engine:
         sps = [self._live[seqs[i].request_id].sampling for i, _ in rows]
         sb = SamplingBatch.from_params(sps, pad_to=b)
         self.step_shapes[(t, b, m)] += 1
-        tokens, self.cache = _step(
-            self.params, self.cache, meta, src, sb, pos, index,
-            cfg=self.cfg, backend=cfg.backend,
-        )  # fmt: skip
+        self._step_logprobs = {}
+        k = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=None)
+        if k is None:
+            tokens, self.cache = _step(
+                self.params, self.cache, meta, src, sb, pos, index,
+                cfg=self.cfg, backend=cfg.backend,
+            )  # fmt: skip
+        else:  # top-k padded to a power of two: few compilations
+            (tokens, lp), self.cache = _step_logprobs(
+                self.params, self.cache, meta, src, sb, pos, index,
+                cfg=self.cfg, backend=cfg.backend, num_logprobs=bucket(max(k, 1)),
+            )  # fmt: skip
+            self._step_logprobs = _host_logprobs(ids, sps, *(np.asarray(x) for x in lp))
         tokens = np.asarray(tokens).tolist()  # [B] the only device -> host transfer
         return {sid: [tok] for sid, tok in zip(ids, tokens)}
 
