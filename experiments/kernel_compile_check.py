@@ -28,6 +28,7 @@ plugin's compilation handler) and, for jaxlib <= 0.10.2 where Triton compiles in
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -266,8 +267,13 @@ def capture_triton(fn, args) -> list[TritonKernel]:
 
     mlir.custom_call = spy_custom_call
     pallas_call_registration.triton.compile = spy_compile
+    # jaxinfer refuses backend="pallas" on a CPU unless told the trace is lowered for CUDA only;
+    # the kernel-only cases never import it.
+    ops = sys.modules.get("jaxinfer.ops.attention")
+    gpu_lowering = ops.lowering_for_gpu() if ops is not None else contextlib.nullcontext()
     try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        with gpu_lowering:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         mlir.custom_call = real_custom_call
         pallas_call_registration.triton.compile = real_compile

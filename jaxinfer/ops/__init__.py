@@ -3,6 +3,7 @@
 from jaxinfer.ops.attention import (
     BACKENDS,
     dense_causal_attention,
+    lowering_for_gpu,
     paged_attention,
     paged_attention_reference,
     resolve_backend,
@@ -13,6 +14,7 @@ __all__ = [
     "BACKENDS",
     "dense_causal_attention",
     "linear",
+    "lowering_for_gpu",
     "paged_attention",
     "paged_attention_reference",
     "resolve_backend",

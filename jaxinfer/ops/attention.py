@@ -15,6 +15,9 @@ gathers each query row's whole context), "pallas" (the Triton kernel, the GPU de
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -30,12 +33,38 @@ _PAGE_COST = 4  # reading one page costs about this many query rows of arithmeti
 _KEYS_PER_CHUNK = 128  # keys per online-softmax step of paged_attention_xla
 
 
+# Set only while tracing for a GPU lowering on a machine without one (kernel_compile_check).
+_GPU_LOWERING = contextvars.ContextVar("jaxinfer_gpu_lowering", default=False)
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Lets `backend="pallas"` trace on a CPU host, for code lowered with `lowering_platforms`
+    `("cuda",)` and never run here (experiments/kernel_compile_check.py)."""
+    token = _GPU_LOWERING.set(True)
+    try:
+        yield
+    finally:
+        _GPU_LOWERING.reset(token)
+
+
 def resolve_backend(backend: str) -> str:
-    """ "auto" -> "pallas" on GPU, "xla" elsewhere; validates the name."""
+    """ "auto" -> "pallas" on GPU, "xla" elsewhere; validates the name.
+
+    Raises:
+      ValueError: for an unknown name, and for "pallas" on a CPU: the compiled kernels need a GPU
+        (JAX would otherwise fail inside the lowering with an internal message).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if backend == "pallas" and jax.default_backend() == "cpu" and not _GPU_LOWERING.get():
+        raise ValueError(
+            'backend="pallas" runs the compiled Pallas kernels, which need a GPU, and this JAX '
+            'runs on a CPU; use backend="pallas-interpret" to run the same kernels on a CPU '
+            '(slow, for tests), or "xla" / "auto" for the fast CPU path'
+        )
     return backend
 
 
