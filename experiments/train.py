@@ -142,7 +142,8 @@ def main(argv):
     if _EXPORT_DIR.value and int(result.state.step) == tc.steps:
         out = Path(_EXPORT_DIR.value)
         generation = {"pad_token_id": data.PAD_ID, "do_sample": False}
-        save_checkpoint(str(out), tc.model, result.state.params, tok, generation)
+        # A deliberate re-export replaces the previous one (and keeps the other files there).
+        save_checkpoint(str(out), tc.model, result.state.params, tok, generation, overwrite=True)
         for name in ("train_config.json", "loss_curve.jsonl", "loss_curve.png", "results.json"):
             shutil.copyfile(workdir / name, out / name)
         print(f"exported {tc.name} to {out}")
