@@ -59,6 +59,11 @@ from pallas_kernels.paged_attention import ragged_paged_attention  # noqa: E402
 
 # The bench's own flags: --workdir, and --int4_m / --contexts / --batches choose what is compiled.
 _ARCH = flags.DEFINE_string("arch", "9.0", "Compute capability to compile for.")
+flags.register_validator(
+    "arch",
+    lambda v: re.fullmatch(r"\d+\.\d+", v or "") is not None,
+    "--arch must be a compute capability MAJOR.MINOR, e.g. 9.0 or 8.6",
+)
 _SMEM_LIMIT = flags.DEFINE_integer(
     "smem_limit", 227 * 1024, "Shared memory a block may use.", lower_bound=1
 )

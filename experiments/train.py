@@ -32,6 +32,7 @@ if _ROOT not in sys.path:
 
 import jax.numpy as jnp  # noqa: E402
 
+from experiments import flag_checks  # noqa: E402
 from experiments.configs import NAMES, get_config  # noqa: E402
 from jaxinfer import data  # noqa: E402
 from jaxinfer import train as jtrain  # noqa: E402
@@ -61,6 +62,8 @@ _STOP_AFTER = flags.DEFINE_integer(
     "stop_after", None, "Stop after this many steps (no export).", lower_bound=1
 )
 flags.mark_flag_as_required("workdir")
+flag_checks.number(_PEAK_LR, above=0.0)
+flag_checks.number(_KD_WEIGHT, min_value=0.0, max_value=1.0)
 
 
 def _resolved_config() -> jtrain.TrainConfig:
