@@ -244,6 +244,10 @@ def save_checkpoint(
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path} exists and is not a directory")
+    if os.path.isdir(path) and not os.access(path, os.W_OK):
+        # The rename would replace it anyway (only the parent's permission counts): refuse, as
+        # writing into it would have.
+        raise PermissionError(f"{path} is not writable; save_checkpoint leaves it as it is")
     stale = _checkpoint_files(path)
     if stale and not overwrite:
         raise ValueError(

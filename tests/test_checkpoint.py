@@ -308,3 +308,18 @@ def test_save_refuses_a_stale_index_unless_overwrite(saved, tmp_path):
     empty.mkdir()
     ji.save_checkpoint(str(empty), CFG, params)  # an empty directory is fine
     assert oct(os.stat(empty).st_mode & 0o777) == "0o755"
+
+
+def test_save_into_a_read_only_directory_is_refused(tmp_path):
+    """The rename into place must not replace a directory its owner made read-only."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    try:
+        if os.access(target, os.W_OK):
+            pytest.skip("running as a user that writes anywhere")
+        with pytest.raises(PermissionError, match="not writable"):
+            ji.save_checkpoint(str(target), CFG, random_params(CFG, seed=2))
+        assert target.exists() and not os.listdir(target)
+    finally:
+        target.chmod(0o755)
