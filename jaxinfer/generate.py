@@ -50,8 +50,9 @@ def validate_requests(
     """Checks prompts and sampling params; returns one SamplingParams per prompt.
 
     Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
-    vocabulary, prompt + max_tokens beyond max_position_embeddings, a sampling list of the wrong
-    length, n != 1.
+    vocabulary, a stop token id outside the vocabulary, prompt + max_tokens beyond
+    max_position_embeddings, a sampling list of the wrong length, n != 1. A prompt is a list,
+    tuple, numpy or jax array of integer token ids.
     """
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
@@ -67,7 +68,11 @@ def validate_requests(
             raise ValueError(f"sampling[{i}] is {type(sp).__name__}, expected SamplingParams")
         if sp.n != 1:
             raise ValueError(f"sampling[{i}].n={sp.n}: ji.generate samples n=1; use ji.Engine")
-        if isinstance(p, str | bytes) or not isinstance(p, Sequence | np.ndarray) or len(p) == 0:
+        if (
+            isinstance(p, str | bytes)
+            or not isinstance(p, Sequence | np.ndarray | jax.Array)
+            or len(p) == 0
+        ):
             raise ValueError(f"prompt {i} is empty or not a list of token ids: {p!r}")
         arr = np.asarray(p)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -77,6 +82,12 @@ def validate_requests(
             raise ValueError(
                 f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, "
                 f"{cfg.vocab_size})"
+            )
+        bad_stops = [t for t in sp.stop_token_ids if t >= cfg.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"sampling[{i}].stop_token_ids has {bad_stops[0]}, outside the vocabulary "
+                f"[0, {cfg.vocab_size}): the model can never emit it"
             )
         if len(p) + sp.max_tokens > cfg.max_position_embeddings:
             raise ValueError(
@@ -213,7 +224,7 @@ def generate(
     longest = max(n_p + sp.max_tokens for n_p, sp in zip(lens, sampling))
     m = bucket(-(-longest // block_size), pad_to.get("blocks", 1))
     tables = contiguous_block_tables(b, m)
-    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
+    chunks = [SeqChunk(np.asarray(p).tolist(), 0, tables[i]) for i, p in enumerate(prompts)]
     prefill, _ = build_metadata(
         chunks, block_size, num_tokens=bucket(sum(lens), max(16, pad_to.get("tokens", 16))),
         num_seqs=b, max_blocks=m,

@@ -140,3 +140,22 @@ def test_pad_to_fixes_shapes_across_batches(params):
     for bad in (0, -4, 2.5, True):
         with pytest.raises(ValueError, match=rf"pad_to\['seqs'\]={bad!r} is invalid"):
             ji.generate(CFG, params, [[1]], sp, pad_to={"seqs": bad})
+
+
+def test_stop_id_beyond_the_vocabulary_is_refused(params):
+    """Issue 15 cause 2: a stop id the model can never emit is a mistake, named."""
+    sp = ji.SamplingParams(max_tokens=2, stop_token_ids=(3, CFG.vocab_size))
+    with pytest.raises(ValueError, match=rf"stop_token_ids.*{CFG.vocab_size}.*vocabulary"):
+        ji.generate(CFG, params, [[1, 2]], sp)
+
+
+def test_jax_and_numpy_prompts_are_accepted(params):
+    """Issue 15 cause 3: a jax.Array prompt works like a numpy array or a list."""
+    import jax.numpy as jnp
+
+    sp = ji.SamplingParams(temperature=0, max_tokens=3)
+    want = ji.generate(CFG, params, [[5, 6, 7]], sp)[0].token_ids
+    for p in (np.array([5, 6, 7]), jnp.array([5, 6, 7], jnp.int32), (5, 6, 7)):
+        assert ji.generate(CFG, params, [p], sp)[0].token_ids == want
+    with pytest.raises(ValueError, match="prompt 0"):
+        ji.generate(CFG, params, [jnp.array([5.0, 6.0])], sp)
