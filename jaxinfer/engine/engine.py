@@ -41,6 +41,7 @@ import numpy as np
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import KV_FORMATS, PagedKVCache, copy_blocks, init_cache
+from jaxinfer.checks import check_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.request import Request
@@ -94,9 +95,8 @@ class EngineConfig:
     min_seq_bucket: int = 1
 
     def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
+        # One int policy (jaxinfer.checks): numpy / jax ints are normalized to Python ints,
+        # bools and floats refused.
         for name, lo in (
             ("block_size", 1),
             ("num_blocks", 2),
@@ -106,9 +106,12 @@ class EngineConfig:
             ("min_block_bucket", 1),
             ("min_seq_bucket", 1),
         ):
-            v = getattr(self, name)
-            if not is_int(v) or v < lo:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an int >= {lo}")
+            object.__setattr__(
+                self, name, check_int(f"EngineConfig.{name}", getattr(self, name), lo)
+            )
+        if self.long_prefill_threshold is not None:
+            t = check_int("EngineConfig.long_prefill_threshold", self.long_prefill_threshold, 1)
+            object.__setattr__(self, "long_prefill_threshold", t)
         if self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: expected one of {BACKENDS}")
         if self.kv_format not in KV_FORMATS:
@@ -117,11 +120,18 @@ class EngineConfig:
             )
         if self.kv_dtype is not None:
             try:
-                jnp.dtype(self.kv_dtype)
+                dtype = jnp.dtype(self.kv_dtype)
             except TypeError:
                 raise ValueError(
                     f"EngineConfig.kv_dtype={self.kv_dtype!r}: expected None or a dtype name"
                 ) from None
+            # An integer store would truncate K/V; quantized storage is kv_format's business.
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    f"EngineConfig.kv_dtype={self.kv_dtype!r} is not a floating dtype: a "
+                    f"{dtype} store would truncate K/V; expected a floating dtype (float32, "
+                    f"bfloat16, ...) or kv_format in {KV_FORMATS[1:]} for a quantized cache"
+                )
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: expected a bool")
@@ -223,6 +233,13 @@ def _padded(values: list[int], n: int) -> np.ndarray:
     return out
 
 
+def _token_list(prompt) -> list[int]:
+    """A validated prompt (list, tuple, numpy or jax array) as Python ints, in one transfer."""
+    if hasattr(prompt, "__array__"):
+        return np.asarray(prompt).tolist()
+    return [int(t) for t in prompt]
+
+
 def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
     """The request's stop tokens, the model's eos included unless ignored (as `ji.generate`)."""
     stops = set(sp.stop_token_ids)
@@ -290,7 +307,7 @@ class Engine:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
             validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
             # Pool, rows and budget, by the scheduler's own admission checks.
-            self._probe.add_request(Request(probe_id, list(map(int, prompt)), sp))
+            self._probe.add_request(Request(probe_id, _token_list(prompt), sp))
         except ValueError as e:
             raise ValueError(f"request {index} ({request_id!r}): {e}") from None
         finally:
@@ -308,7 +325,8 @@ class Engine:
         Args:
           prompt: token ids.
           sampling: its SamplingParams (n > 1: n samples sharing the prompt's blocks).
-          request_id: a hashable id never used before in this engine; None: a fresh one.
+          request_id: a hashable id never used before in this engine; None: a fresh one
+            ("req-<k>"), never one used before, chosen or automatic.
           arrival_time: its arrival in the metrics clock; None: now.
 
         Returns:
@@ -320,13 +338,20 @@ class Engine:
             without chunked prefill); nothing is queued then.
         """
         sp = SamplingParams() if sampling is None else sampling
-        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        rid = self._auto_id(lambda k: f"req-{k}") if request_id is None else request_id
         self._check(prompt, sp, rid, 0)
         self._enqueue(prompt, sp, rid, arrival_time)
         return rid
 
+    def _auto_id(self, make: Callable[[int], Hashable]) -> Hashable:
+        """The next automatic id `make(k)` that no request of this engine has used."""
+        while True:
+            rid = make(next(self._ids))
+            if rid not in self.metrics_collector.requests:
+                return rid
+
     def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
-        prompt = [int(t) for t in prompt]
+        prompt = _token_list(prompt)
         sched_sp = dataclasses.replace(sp, stop_token_ids=_stop_ids(self.cfg, sp))
         self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
         arrival = self.metrics_collector.requests[rid].arrival_time
@@ -482,7 +507,7 @@ class Engine:
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        rids = [("generate", next(self._ids)) for _ in prompts]
+        rids = [self._auto_id(lambda k: ("generate", k)) for _ in prompts]
         for i, (p, sp) in enumerate(zip(prompts, sampling)):
             self._check(p, sp, rids[i], i)
         for p, sp, rid in zip(prompts, sampling, rids):

@@ -464,7 +464,7 @@ def test_scheduler_config_validation(kwargs, match):
     "prompt,params,match",
     [
         ([], Params(1), "empty"),
-        ([1, -2], Params(1), "ints >= 0"),
+        ([1, -2], Params(1), r"ints in \[0, 2\*\*31 - 1\]"),
         ("abc", Params(1), "sequence of ints"),
         ([1], Params(0), "max_tokens"),
         ([1], Params(1, n=0), "n must be"),
