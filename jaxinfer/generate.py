@@ -39,7 +39,8 @@ class GenerationOutput:
     """One request's result."""
 
     token_ids: list[int]  # generated ids, prompt excluded, stop token included
-    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+    finish_reason: str  # "stop" (a stop token), "length" (max_tokens) or "error"
+    error: str | None = None  # with "error": what failed, e.g. non-finite logits
 
 
 def validate_requests(
@@ -138,11 +139,15 @@ def _generate_core(
     def is_stop(tok):  # [B] -> [B] bool
         return jnp.any(tok[:, None] == stops, axis=-1)
 
+    def finite(x):  # [B, V] -> [B] bool: a NaN / Inf row would sample token 0 forever
+        return jnp.all(jnp.isfinite(x), axis=-1)
+
     real = max_tokens > 0
+    failed = real & ~finite(logits[:b])  # [B] stopped at a non-finite row, which emits nothing
     out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(first)
-    n_out = real.astype(jnp.int32)
-    stopped = real & is_stop(first)
-    done = ~real | stopped | (n_out >= max_tokens)
+    n_out = (real & ~failed).astype(jnp.int32)
+    stopped = real & ~failed & is_stop(first)
+    done = ~real | failed | stopped | (n_out >= max_tokens)
 
     def cond(state):
         *_, done, _, step = state
@@ -151,7 +156,7 @@ def _generate_core(
         return ~jnp.all(done) & (step < max_new)
 
     def body(state):
-        cache, last, lens, out, n_out, done, stopped, step = state
+        cache, last, lens, out, n_out, done, stopped, failed, step = state
         # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
         slot = tables[jnp.arange(b), lens // block_size] * block_size + lens % block_size
         batch = BatchMetadata(
@@ -165,21 +170,23 @@ def _generate_core(
         )
         logits, cache = forward(params, cfg, batch, cache, backend=backend)
         new = sample(logits, sb, lens + 1)
-        live = ~done
+        bad = ~done & ~finite(logits)
+        failed = failed | bad
+        live = ~done & ~bad
         out = out.at[jnp.arange(b), jnp.minimum(n_out, max_new - 1)].set(
             jnp.where(live, new, out[jnp.arange(b), jnp.minimum(n_out, max_new - 1)])
         )
         n_out = n_out + live
         hit = live & is_stop(new)
         stopped = stopped | hit
-        done = done | hit | (n_out >= max_tokens)
+        done = done | bad | hit | (n_out >= max_tokens)
         lens = lens + live
         last = jnp.where(live, new, last)
-        return cache, last, lens, out, n_out, done, stopped, step + 1
+        return cache, last, lens, out, n_out, done, stopped, failed, step + 1
 
-    state = (cache, first, prompt_lens, out, n_out, done, stopped, jnp.int32(1))
-    _, _, _, out, n_out, _, stopped, _ = jax.lax.while_loop(cond, body, state)
-    return out, n_out, stopped
+    state = (cache, first, prompt_lens, out, n_out, done, stopped, failed, jnp.int32(1))
+    _, _, _, out, n_out, _, stopped, failed, _ = jax.lax.while_loop(cond, body, state)
+    return out, n_out, stopped, failed
 
 
 def generate(
@@ -205,7 +212,9 @@ def generate(
         caller that runs many batches (a static-batching server) fixes them to compile once.
 
     Returns:
-      One GenerationOutput per prompt, in order.
+      One GenerationOutput per prompt, in order. A sequence whose logits turn non-finite (NaN
+      or Inf weights or activations) stops there with finish_reason "error" and an `error`
+      naming the position; the others are unaffected.
     """
     sampling = validate_requests(cfg, prompts, sampling)
     check_params(cfg, params)
@@ -234,7 +243,7 @@ def generate(
     prompt_lens[:n] = lens
     max_tokens = np.zeros(b, np.int32)
     max_tokens[:n] = [sp.max_tokens for sp in sampling]
-    out, n_out, stopped = _generate_core(
+    out, n_out, stopped, failed = _generate_core(
         params,
         prefill,
         tables,
@@ -247,8 +256,14 @@ def generate(
         block_size=block_size,
         backend=backend,
     )
-    out, n_out, stopped = jax.device_get((out, n_out, stopped))
-    return [
-        GenerationOutput(out[i, : n_out[i]].tolist(), "stop" if stopped[i] else "length")
-        for i in range(n)
-    ]
+    out, n_out, stopped, failed = jax.device_get((out, n_out, stopped, failed))
+    outs = []
+    for i in range(n):
+        tokens = out[i, : n_out[i]].tolist()
+        if failed[i]:
+            pos = lens[i] + len(tokens)
+            error = f"non-finite logits (NaN or Inf) sampling position {pos} of prompt {i}"
+            outs.append(GenerationOutput(tokens, "error", error))
+        else:
+            outs.append(GenerationOutput(tokens, "stop" if stopped[i] else "length"))
+    return outs
