@@ -40,7 +40,9 @@ class GenerationOutput:
 
     token_ids: list[int]  # generated ids, prompt excluded, stop token included
     finish_reason: str  # "stop" (a stop token), "length" (max_tokens) or "error"
-    error: str | None = None  # with "error": what failed, e.g. non-finite logits
+    # With "error": what failed, e.g. non-finite logits. Keyword-only, so subclasses
+    # (SpeculativeOutput) may add fields without defaults.
+    error: str | None = dataclasses.field(default=None, kw_only=True)
 
 
 def validate_requests(
@@ -263,7 +265,7 @@ def generate(
         if failed[i]:
             pos = lens[i] + len(tokens)
             error = f"non-finite logits (NaN or Inf) sampling position {pos} of prompt {i}"
-            outs.append(GenerationOutput(tokens, "error", error))
+            outs.append(GenerationOutput(tokens, "error", error=error))
         else:
             outs.append(GenerationOutput(tokens, "stop" if stopped[i] else "length"))
     return outs

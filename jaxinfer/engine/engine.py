@@ -595,12 +595,12 @@ class Engine:
         self.metrics_collector.on_finish(rid, now, aborted=error is not None)
         if rid in self._keep:
             samples = tuple(
-                GenerationOutput(t, r, error if r == "error" else None)
+                GenerationOutput(t, r, error=error if r == "error" else None)
                 for t, r in zip(live.tokens, live.reasons)
             )
             self._done[rid] = RequestOutput(
-                samples[0].token_ids, samples[0].finish_reason, error,
-                request_id=rid, samples=samples,
+                samples[0].token_ids, samples[0].finish_reason,
+                error=error, request_id=rid, samples=samples,
             )  # fmt: skip
 
     def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
