@@ -26,6 +26,7 @@ from jaxinfer.cache.metadata import (
     contiguous_block_tables,
 )
 from jaxinfer.cache.paged import check_block_size, init_cache
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
@@ -226,8 +227,10 @@ def generate(
     if unknown:
         raise ValueError(f"pad_to has unknown keys {sorted(unknown)}")
     for key, value in pad_to.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        v = as_int(value)  # numpy / jax ints too (jaxinfer.checks)
+        if v is None or v < 1:
             raise ValueError(f"pad_to[{key!r}]={value!r} is invalid: expected an int >= 1")
+        pad_to[key] = v
     n = len(prompts)
     b = bucket(n, pad_to.get("seqs", 1))
     lens = [len(p) for p in prompts]

@@ -1,7 +1,9 @@
 """Generation: batch invariance, stop conditions, bucketing (compile counts), bad input."""
 
 import importlib
+import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -136,11 +138,14 @@ def test_pad_to_fixes_shapes_across_batches(params):
     before = TRACE_COUNTS["generate"]
     ji.generate(CFG, params, [[4] * 9, [5] * 20, [6]], sp, pad_to=pad)
     ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=pad)
+    # numpy and jax ints are ints (issue 15 cause 3): the same shapes, no new compilation.
+    mixed = {k: (np.int64(v) if k == "seqs" else jnp.int32(v)) for k, v in pad.items()}
+    ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=mixed)
     assert TRACE_COUNTS["generate"] == before
     with pytest.raises(ValueError, match="unknown keys"):
         ji.generate(CFG, params, [[1]], sp, pad_to={"batch": 4})
-    for bad in (0, -4, 2.5, True):
-        with pytest.raises(ValueError, match=rf"pad_to\['seqs'\]={bad!r} is invalid"):
+    for bad in (0, -4, 2.5, True, np.bool_(True), jnp.float32(4)):
+        with pytest.raises(ValueError, match=re.escape(f"pad_to['seqs']={bad!r} is invalid")):
             ji.generate(CFG, params, [[1]], sp, pad_to={"seqs": bad})
 
 
