@@ -36,7 +36,13 @@ from absl import app, flags
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.cache.paged import KV_FORMATS
 from jaxinfer.model.decoder import forward
+
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
 _MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF dir.")
@@ -57,6 +63,9 @@ _PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt of the prefill batch.", lo
 _REPS = flags.DEFINE_integer(
     "reps", 30, "Timed steps per backend (median reported).", lower_bound=1
 )
+flag_checks.choice_list(_BACKENDS, ji.ops.BACKENDS)
+flag_checks.choice_list(_KV_FORMATS, KV_FORMATS)
+flag_checks.int_list(_CACHE_BLOCKS, min_value=1)
 
 
 def _batches(b: int, m: int, s: int) -> dict:

@@ -25,6 +25,11 @@ from absl import app, flags
 
 import jaxinfer as ji
 
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
+
 _MODEL = flags.DEFINE_string("model", None, "HF dir; default: a random bench-5m model.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
@@ -33,6 +38,7 @@ _NEW_TOKENS = flags.DEFINE_integer(
     "new_tokens", 64, "Generated tokens per sequence.", lower_bound=1
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median reported).", lower_bound=1)
+flag_checks.int_list(_BATCH_SIZES, min_value=1)
 
 
 def _median_time(fn, repeats):

@@ -28,13 +28,16 @@ except ImportError:  # run from a checkout without installing the package
     from jaxinfer import data
 
 _VOCAB_SIZE = flags.DEFINE_integer(
-    "vocab_size", data.DEFAULT_VOCAB_SIZE, "Tokenizer vocabulary, specials included."
+    "vocab_size", data.DEFAULT_VOCAB_SIZE, "Tokenizer vocabulary, specials included.", lower_bound=1
 )
-_MIN_FREQUENCY = flags.DEFINE_integer("min_frequency", 2, "Minimum count of a merged pair.")
+_MIN_FREQUENCY = flags.DEFINE_integer(
+    "min_frequency", 2, "Minimum count of a merged pair.", lower_bound=1
+)
 _TOKENIZER_TRAIN_BYTES = flags.DEFINE_integer(
     "tokenizer_train_bytes",
     0,
     "Train the tokenizer on the first train files (by path) up to this many bytes; 0 = all.",
+    lower_bound=0,
 )
 _ASSETS_DIR = flags.DEFINE_string(
     "assets_dir", str(data.ASSETS_DIR), "Where data/ and tokenizer/ are written."

@@ -15,6 +15,11 @@ from absl import app, flags
 
 import jaxinfer as ji
 
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
+
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint dir; default: the shipped target.")
 _PROMPT = flags.DEFINE_string("prompt", "def fib(n):", "Prompt text.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens to generate.", lower_bound=1)
@@ -23,7 +28,10 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.", lower_bound=0)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off.")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
-_BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend: auto|reference|pallas.")
+_BACKEND = flags.DEFINE_enum("backend", "auto", ji.ops.BACKENDS, "Attention backend.")
+flag_checks.number(_TEMPERATURE, min_value=0.0)
+flag_checks.number(_TOP_P, above=0.0, max_value=1.0)
+flag_checks.number(_MIN_P, min_value=0.0, max_value=1.0)
 
 
 def main(argv):

@@ -40,6 +40,7 @@ from absl import app, flags
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, _ROOT)
+from experiments import flag_checks  # noqa: E402
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference  # noqa: E402
 from pallas_kernels.int8_matmul import (  # noqa: E402
     int8_int8_matmul,
@@ -72,6 +73,8 @@ _COPY_MIB = flags.DEFINE_integer(
     "copy_mib", 1024, "Size of the bandwidth-ceiling stream.", lower_bound=1
 )
 _SKIP_TIMING = flags.DEFINE_bool("skip_timing", False, "Run only the correctness part.")
+for _flag in (_INT4_M, _CONTEXTS, _BATCHES):
+    flag_checks.int_list(_flag, min_value=1)
 
 LLAMA2_7B_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # (K, N): qkv/o, up/gate, down
 GROUP = 128

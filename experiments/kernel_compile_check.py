@@ -28,6 +28,7 @@ plugin's compilation handler) and, for jaxlib <= 0.10.2 where Triton compiles in
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -58,6 +59,11 @@ from pallas_kernels.paged_attention import ragged_paged_attention  # noqa: E402
 
 # The bench's own flags: --workdir, and --int4_m / --contexts / --batches choose what is compiled.
 _ARCH = flags.DEFINE_string("arch", "9.0", "Compute capability to compile for.")
+flags.register_validator(
+    "arch",
+    lambda v: re.fullmatch(r"\d+\.\d+", v or "") is not None,
+    "--arch must be a compute capability MAJOR.MINOR, e.g. 9.0 or 8.6",
+)
 _SMEM_LIMIT = flags.DEFINE_integer(
     "smem_limit", 227 * 1024, "Shared memory a block may use.", lower_bound=1
 )
@@ -266,8 +272,13 @@ def capture_triton(fn, args) -> list[TritonKernel]:
 
     mlir.custom_call = spy_custom_call
     pallas_call_registration.triton.compile = spy_compile
+    # jaxinfer refuses backend="pallas" on a CPU unless told the trace is lowered for CUDA only;
+    # the kernel-only cases never import it.
+    ops = sys.modules.get("jaxinfer.ops.attention")
+    gpu_lowering = ops.lowering_for_gpu() if ops is not None else contextlib.nullcontext()
     try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        with gpu_lowering:
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         mlir.custom_call = real_custom_call
         pallas_call_registration.triton.compile = real_compile

@@ -23,7 +23,12 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxinfer import memory
-from jaxinfer.config import preset
+from jaxinfer.config import PRESETS, preset
+
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
 
 _MODELS = flags.DEFINE_list(
     "models", ["llama2-7b", "llama3-8b", "mistral-7b", "qwen2.5-7b"], "Config presets."
@@ -42,6 +47,16 @@ _BLOCK_SIZE = flags.DEFINE_integer(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
 flags.mark_flag_as_required("workdir")
+flag_checks.choice_list(_MODELS, sorted(PRESETS))
+flag_checks.each(_WEIGHTS, memory.parse_weight_format)
+flag_checks.choice_list(_KV, memory.KV_FORMATS)
+flag_checks.number(_GPU_GIB, above=0.0)
+flag_checks.number(_RESERVE_GIB, min_value=0.0)
+flags.register_multi_flags_validator(
+    ["gpu_gib", "reserve_gib"],
+    lambda f: f["reserve_gib"] < f["gpu_gib"],
+    "--reserve_gib must be smaller than --gpu_gib",
+)
 
 
 def main(argv):

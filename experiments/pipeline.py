@@ -35,6 +35,11 @@ import jaxinfer as ji
 from jaxinfer import data
 from jaxinfer import eval as ji_eval
 
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
+
 _WORKDIR = flags.DEFINE_string("workdir", "runs/pipeline", "Output directory.")
 _MODEL = flags.DEFINE_string("model", None, "Target HF dir; default: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft HF dir; default: the shipped draft.")
@@ -55,6 +60,7 @@ SCRIPT_STAGES = {
     "serving": ("serve_bench.py", [], "serve_bench.md", "Serving"),
     "speculative": ("spec_bench.py", [], "table.md", "Speculative decoding"),
 }
+flag_checks.choice_list(_STAGES, ("quality", *SCRIPT_STAGES))
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt cut after "\n" would end on a token boundary the model never saw in training.
@@ -244,9 +250,6 @@ def main(argv):
     target, draft, tok, models = _load_models()
     print(f"models: {models}")
     results = {"models": models, "machine": f"{os.cpu_count()} cores, {jax.default_backend()}"}
-    unknown = set(_STAGES.value) - {"quality", *SCRIPT_STAGES}
-    if unknown:
-        raise app.UsageError(f"unknown stages {sorted(unknown)}")
     t0 = time.perf_counter()
     if "quality" in _STAGES.value:
         results["quality"] = stage_quality(target, draft, tok)

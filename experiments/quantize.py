@@ -46,6 +46,38 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.", lower_b
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Params.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, results.json, artifact go.")
 flags.mark_flag_as_required("workdir")
+_QUANT_FLAGS = (
+    "method", "bits", "group_size", "sym", "damp", "act_order", "static_groups", "alpha",
+    "quantize_lm_head",
+)  # fmt: skip
+
+
+def quant_config(values: dict) -> quant.QuantConfig:
+    """The QuantConfig the quantization flags (name -> value) describe; ValueError if invalid."""
+    g = values["group_size"]
+    return quant.QuantConfig(
+        method=values["method"],
+        bits=values["bits"],
+        group_size=None if g in (0, -1) else g,
+        sym=values["sym"],
+        damp=values["damp"],
+        act_order=values["act_order"],
+        static_groups=values["static_groups"],
+        alpha=values["alpha"],
+        quantize_lm_head=values["quantize_lm_head"],
+    )
+
+
+def _check_quant_flags(values: dict) -> bool:
+    try:
+        quant_config(values)
+    except ValueError as e:  # QuantConfig names the field; the flag has the same name
+        raise flags.ValidationError(f"invalid quantization flags: {e}") from e
+    return True
+
+
+# At parse time, before the workdir is created: QuantConfig validates every field.
+flags.register_multi_flags_validator(list(_QUANT_FLAGS), _check_quant_flags)
 
 
 def main(argv):
@@ -53,17 +85,7 @@ def main(argv):
     workdir = Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = _MODEL.value if os.path.isdir(_MODEL.value) else models.path(_MODEL.value)
-    qcfg = quant.QuantConfig(
-        method=_METHOD.value,
-        bits=_BITS.value,
-        group_size=None if _GROUP.value in (0, -1) else _GROUP.value,
-        sym=_SYM.value,
-        damp=_DAMP.value,
-        act_order=_ACT_ORDER.value,
-        static_groups=_STATIC.value,
-        alpha=_ALPHA.value,
-        quantize_lm_head=_LM_HEAD.value,
-    )
+    qcfg = quant_config({name: flags.FLAGS[name].value for name in _QUANT_FLAGS})
     config = {
         "model": model_dir,
         "calib_samples": _SAMPLES.value,

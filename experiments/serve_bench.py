@@ -47,6 +47,11 @@ from jaxinfer.cache.metadata import bucket
 from jaxinfer.engine import SLO, STEP_TRACE_COUNTS, MetricsCollector
 from jaxinfer.generate import TRACE_COUNTS
 
+try:
+    from experiments import flag_checks
+except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import flag_checks
+
 _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_bench", "Output directory.")
 _MODEL = flags.DEFINE_string("model", None, "HF dir; default: the shipped target model.")
 _QUICK = flags.DEFINE_boolean("quick", False, "A ~1 minute run: short requests, few of them.")
@@ -74,7 +79,7 @@ _CHUNK_BUDGET = flags.DEFINE_integer(
     "Token budget per step with chunked prefill (default max_len/4).",
     lower_bound=1,
 )
-_BACKEND = flags.DEFINE_string("backend", "auto", "Attention backend.")
+_BACKEND = flags.DEFINE_enum("backend", "auto", ji.ops.BACKENDS, "Attention backend.")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft_s", None, "SLO on TTFT (s); default: 8x unloaded.")
 _SLO_TPOT = flags.DEFINE_float("slo_tpot_s", None, "SLO on TPOT (s); default: 4x unloaded.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.", lower_bound=0)
@@ -84,6 +89,12 @@ _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
     "Engines' smallest padded T.",
     lower_bound=1,
 )
+WORKLOADS = ("sharegpt", "shared_prefix", "long_prompt")
+flag_checks.choice_list(_WORKLOADS, WORKLOADS)
+flag_checks.float_list(_RATES, above=0.0, allow_empty=True)
+flag_checks.float_list(_RATE_FRACTIONS, above=0.0)
+flag_checks.number(_SLO_TTFT, above=0.0)
+flag_checks.number(_SLO_TPOT, above=0.0)
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
 

@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxinfer as ji  # noqa: E402
+from experiments import flag_checks  # noqa: E402
 from jaxinfer import data  # noqa: E402
 from jaxinfer.speculative import (  # noqa: E402
     complete_alpha,
@@ -85,6 +86,18 @@ _REPEATS = flags.DEFINE_integer(
 )
 _TRANSFORMERS = flags.DEFINE_bool("transformers", True, "Also time transformers baselines.")
 _SEED = flags.DEFINE_integer("seed", 0, "Prompt selection and sampling seeds.", lower_bound=0)
+DRAFTERS = ("model", "ngram")
+flag_checks.float_list(_TEMPERATURES, min_value=0.0)
+flag_checks.int_list(_GAMMAS, min_value=1)
+flag_checks.int_list(_BATCH_SIZES, min_value=1)
+flag_checks.choice_list(_DRAFTERS, DRAFTERS)
+flag_checks.choice_list(_ACCEPTANCE, ji.speculative.ACCEPTANCE_MODES)
+flag_checks.int_list(_PROMPT_LEN, min_value=1, length=2)
+flags.register_validator(
+    "prompt_len",
+    lambda v: len(v) != 2 or not all(x.isdigit() for x in v) or int(v[0]) <= int(v[1]),
+    "--prompt_len=LO,HI needs LO <= HI",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ if _ROOT not in sys.path:
 
 import jax.numpy as jnp  # noqa: E402
 
+from experiments import flag_checks  # noqa: E402
 from experiments.configs import NAMES, get_config  # noqa: E402
 from jaxinfer import data  # noqa: E402
 from jaxinfer import train as jtrain  # noqa: E402
@@ -61,6 +62,8 @@ _STOP_AFTER = flags.DEFINE_integer(
     "stop_after", None, "Stop after this many steps (no export).", lower_bound=1
 )
 flags.mark_flag_as_required("workdir")
+flag_checks.number(_PEAK_LR, above=0.0)
+flag_checks.number(_KD_WEIGHT, min_value=0.0, max_value=1.0)
 
 
 def _resolved_config() -> jtrain.TrainConfig:
@@ -142,7 +145,8 @@ def main(argv):
     if _EXPORT_DIR.value and int(result.state.step) == tc.steps:
         out = Path(_EXPORT_DIR.value)
         generation = {"pad_token_id": data.PAD_ID, "do_sample": False}
-        save_checkpoint(str(out), tc.model, result.state.params, tok, generation)
+        # A deliberate re-export replaces the previous one (and keeps the other files there).
+        save_checkpoint(str(out), tc.model, result.state.params, tok, generation, overwrite=True)
         for name in ("train_config.json", "loss_curve.jsonl", "loss_curve.png", "results.json"):
             shutil.copyfile(workdir / name, out / name)
         print(f"exported {tc.name} to {out}")

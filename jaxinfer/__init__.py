@@ -27,7 +27,7 @@ from jaxinfer.scoring import score
 
 # ---------------------------------------------------------------- subpackages (lazy)
 # Imported on first use so `import jaxinfer` stays light: ji.quant, ji.speculative, ...
-_LAZY = ("quant", "speculative", "engine", "eval", "models", "data", "memory", "ops")
+_LAZY = ("quant", "speculative", "engine", "eval", "models", "data", "memory", "ops", "server")
 
 
 def __getattr__(name):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 
 import jax
@@ -18,6 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
 from jaxinfer.model.params import check_params, param_shapes
 from jaxinfer.tokenizer import load_tokenizer as load_tokenizer  # re-exported: ji.load_tokenizer
@@ -80,8 +83,21 @@ def _hf_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
     return names
 
 
+def read_hf_config(path: str) -> dict:
+    """The parsed `config.json` of the directory `path`, with errors that name the file."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config.json in {path} is not valid JSON: {e}") from e
+    return hf
+
+
 def load_checkpoint(
-    path: str, dtype=None, keep_quantized: bool = False
+    path: str, dtype=None, keep_quantized: bool = False, *, check_finite: bool = True
 ) -> tuple[ModelConfig, dict]:
     """Loads an HF Llama / Mistral / Qwen2 safetensors directory, or a GGUF file.
 
@@ -92,22 +108,27 @@ def load_checkpoint(
         (float32 for GGUF).
       keep_quantized: GGUF only: keep Q4_0 / Q4_1 / Q8_0 tensors as jaxinfer int4 / int8
         weights, as stored, instead of dequantizing them.
+      check_finite: refuse a checkpoint holding a NaN or Inf weight, naming the first such
+        tensor (also after conversion to `dtype`, which may overflow float16). False loads it
+        anyway, for studying broken weights.
 
     Returns:
-      (cfg, params). Raises ValueError naming the tensor for a missing, unexpected or
-      mis-shaped tensor, and for pickle-only directories.
+      (cfg, params). Raises ValueError naming the file and field for a missing or corrupt
+      config.json; naming the tensor for a missing, unexpected, mis-shaped, non-float or
+      non-finite tensor; and for pickle-only directories.
     """
     from jaxinfer.gguf import find_gguf, load_gguf
 
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        return load_gguf(gguf_file, dtype=dtype, keep_quantized=keep_quantized)
+        return load_gguf(
+            gguf_file, dtype=dtype, keep_quantized=keep_quantized, check_finite=check_finite
+        )
     if keep_quantized:
         raise ValueError("keep_quantized=True applies to GGUF files only")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_hf_config(path)
     dtype_name = None if dtype is None else jnp.dtype(dtype).name
-    cfg = from_hf_config(hf, dtype=dtype_name)
+    cfg = from_hf_config(hf, dtype=dtype_name, source=f"config.json in {path}")
     files = _tensor_files(path)
     expected = _hf_names(cfg)
     wanted = {hf_name for hf_name, _ in expected.values()}
@@ -137,6 +158,11 @@ def load_checkpoint(
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    by_name = {hf_name: tensors[key] for key, (hf_name, _) in expected.items()}
+    # Refused, not cast: an int32 "weight" is a broken or mislabelled file.
+    tensor_checks.check_float_dtype(by_name, path)
+    if check_finite:
+        tensor_checks.check_finite(by_name, path)
 
     def check(name: str, arr: np.ndarray, want: tuple) -> None:
         if tuple(arr.shape) != tuple(want):
@@ -160,7 +186,33 @@ def load_checkpoint(
             check(hf_name, tensors[("layers", leaf, i)], want)
             per_layer.append(tensors[("layers", leaf, i)].astype(np.float32))
         params["layers"][leaf] = jnp.asarray(np.stack(per_layer), dt)
+    if check_finite and dt == jnp.float16:  # float16's range ends at 65504: the cast can overflow
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        named = [(jax.tree_util.keystr(p), a) for p, a in leaves]
+        tensor_checks.check_finite(named, f"{path} after conversion to float16")
     return cfg, params
+
+
+# Files a checkpoint directory may hold that `save_checkpoint` writes or that would contradict
+# what it writes (another checkpoint's shards, index, pickles, tokenizer).
+_CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return []
+    return sorted(
+        f for f in os.listdir(path) if f in _CHECKPOINT_FILES or f.endswith(_CHECKPOINT_SUFFIXES)
+    )
 
 
 def save_checkpoint(
@@ -169,10 +221,14 @@ def save_checkpoint(
     params: Mapping,
     tokenizer=None,
     generation_config: Mapping | None = None,
+    *,
+    overwrite: bool = False,
 ) -> None:
     """Writes an HF-compatible directory (config.json, model.safetensors, tokenizer.json).
 
-    The result loads with `transformers.AutoModelForCausalLM.from_pretrained(path)`.
+    The result loads with `transformers.AutoModelForCausalLM.from_pretrained(path)`. Everything
+    is written into a temporary directory beside `path` and renamed into place, so a failure at
+    any point leaves `path` as it was: never a weights file without its config.
 
     Args:
       path: output directory (created).
@@ -181,6 +237,9 @@ def save_checkpoint(
       tokenizer: optional `jaxinfer.tokenizer.Tokenizer` (tokenizer.json and
         tokenizer_config.json with its chat template) or `tokenizers.Tokenizer` (tokenizer.json).
       generation_config: optional extra fields for generation_config.json.
+      overwrite: replace the checkpoint files `path` already holds (config.json, safetensors
+        shards and index, tokenizer files, ...). Without it such a directory is refused, since a
+        stale index or shard would be read with the new weights. Other files there are kept.
     """
     for leaf in jax.tree_util.tree_leaves(params):
         if not isinstance(leaf, jax.Array | np.ndarray) or not jnp.issubdtype(
@@ -198,7 +257,31 @@ def save_checkpoint(
             "save_checkpoint writes the stored params layout (stacked layers; a tied model "
             "without its own lm_head), not ji.inference_layout's"
         )
-    os.makedirs(path, exist_ok=True)
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory")
+    if os.path.isdir(path) and not os.access(path, os.W_OK):
+        # The rename would replace it anyway (only the parent's permission counts): refuse, as
+        # writing into it would have.
+        raise PermissionError(f"{path} is not writable; save_checkpoint leaves it as it is")
+    stale = _checkpoint_files(path)
+    if stale and not overwrite:
+        raise ValueError(
+            f"{path} already holds checkpoint files ({', '.join(stale[:5])}); pass "
+            "overwrite=True to replace them (other files there are kept)"
+        )
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=parent)
+    try:
+        _write_checkpoint(tmp, cfg, params, tokenizer, generation_config)
+        _install(tmp, path, keep_from_old=lambda f: f not in stale)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(path, cfg, params, tokenizer, generation_config) -> None:
     out: dict[str, np.ndarray] = {}
     for key, (hf_name, transposed) in _hf_names(cfg).items():
         arr = params[key[0]] if key[0] != "layers" else params["layers"][key[1]][key[2]]
@@ -219,3 +302,35 @@ def save_checkpoint(
         json.dump(gen, f, indent=2)
     if tokenizer is not None:
         save_tokenizer(tokenizer, path)
+
+
+def _install(tmp: str, path: str, keep_from_old) -> None:
+    """Moves the finished directory `tmp` to `path`.
+
+    A missing or empty `path` is replaced by one rename. Otherwise the files of the old directory
+    that `keep_from_old` selects are first copied into `tmp` (a failure there leaves `path`
+    untouched), then the old directory is renamed aside, `tmp` renamed into place and the old
+    one removed; if the second rename fails, the first is undone.
+    """
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+        return
+    for name in sorted(os.listdir(path)):
+        if keep_from_old(name):
+            src, dst = os.path.join(path, name), os.path.join(tmp, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
+    os.rmdir(old)
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

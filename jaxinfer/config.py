@@ -21,6 +21,10 @@ _MODEL_TYPES = {
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+# HF `hidden_act` names of the MLP gate activation, as transformers' ACT2FN reads them: "silu" /
+# "swish" x·sigmoid(x); "gelu" the exact (erf) GELU; "gelu_new" / "gelu_pytorch_tanh" the tanh
+# approximation. The functions are in jaxinfer.model.layers.ACTIVATIONS.
+HIDDEN_ACTS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,7 @@ class ModelConfig:
     num_heads: int  # H query heads
     num_kv_heads: int  # K kv heads; H % K == 0 (K == H: MHA, K == 1: MQA)
     head_dim: int  # D; usually E // H, but Qwen/Gemma shapes decouple it
-    intermediate_size: int  # F, SwiGLU width
+    intermediate_size: int  # F, gated MLP width
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
@@ -70,6 +74,7 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    hidden_act: str = "silu"  # the MLP gate's activation (HIDDEN_ACTS); Llama's is SiLU
 
     def __post_init__(self):
         for name in (
@@ -99,6 +104,10 @@ class ModelConfig:
             raise ValueError(
                 f"architecture={self.architecture!r} is not supported; expected one of "
                 f"{ARCHITECTURES}"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not supported; expected one of {HIDDEN_ACTS}"
             )
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ValueError(
@@ -132,9 +141,29 @@ class ModelConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _rope_scaling_from_hf(raw: dict | None) -> RopeScaling | None:
+_MISSING = object()
+
+
+def _field(hf: dict, key: str, kind, source: str, default=_MISSING):
+    """`kind(hf[key])`, or `default` when absent; a ValueError naming `source` and `key` else."""
+    value = hf.get(key)
+    if value is None:  # absent or null
+        if default is _MISSING:
+            raise ValueError(f"{source} has no {key!r}")
+        return default
+    bad = isinstance(value, bool) or not isinstance(value, int | float)
+    if kind is int and (bad or value != int(value)):
+        raise ValueError(f"{source} has {key!r}={value!r}; expected an integer")
+    if kind is float and bad:
+        raise ValueError(f"{source} has {key!r}={value!r}; expected a number")
+    return kind(value)
+
+
+def _rope_scaling_from_hf(raw: dict | None, source: str = "config.json") -> RopeScaling | None:
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source} has rope_scaling={raw!r}; expected an object or null")
     rope_type = raw.get("rope_type", raw.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(
@@ -142,48 +171,55 @@ def _rope_scaling_from_hf(raw: dict | None) -> RopeScaling | None:
         )
     if rope_type == "default":
         return None
-    kwargs = {"rope_type": rope_type, "factor": float(raw.get("factor", 1.0))}
+    where = f"{source} (rope_scaling)"
+    kwargs = {"rope_type": rope_type, "factor": _field(raw, "factor", float, where, 1.0)}
     if rope_type == "llama3":
         kwargs.update(
-            low_freq_factor=float(raw["low_freq_factor"]),
-            high_freq_factor=float(raw["high_freq_factor"]),
-            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            low_freq_factor=_field(raw, "low_freq_factor", float, where),
+            high_freq_factor=_field(raw, "high_freq_factor", float, where),
+            original_max_position_embeddings=_field(
+                raw, "original_max_position_embeddings", int, where
+            ),
         )
     return RopeScaling(**kwargs)
 
 
-def from_hf_config(hf: dict, dtype: str | None = None) -> ModelConfig:
+def from_hf_config(hf: dict, dtype: str | None = None, source: str = "config.json") -> ModelConfig:
     """Builds a ModelConfig from a parsed HF `config.json`.
 
     Args:
       hf: the JSON object of a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM config.
       dtype: overrides `torch_dtype` / `dtype` of the file ("float32", "bfloat16", "float16").
+      source: what `hf` was read from, for error messages (e.g. "config.json in /path").
 
     Returns:
-      The ModelConfig. Raises ValueError for an unsupported architecture or rope type.
+      The ModelConfig. Raises ValueError for an unsupported architecture, rope type or
+      activation, and naming `source` and the field for a missing or mistyped field.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source} holds a {type(hf).__name__}; expected a JSON object")
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
     if arch is None:
         by_type = {v: k for k, v in _MODEL_TYPES.items()}
         arch = by_type.get(hf.get("model_type"))
     if arch not in ARCHITECTURES:
         raise ValueError(
-            f"architecture {arch!r} (model_type={hf.get('model_type')!r}) is not supported; "
-            f"expected one of {ARCHITECTURES}"
+            f"{source}: architecture {arch!r} (model_type={hf.get('model_type')!r}) is not "
+            f"supported; expected one of {ARCHITECTURES}"
         )
     rope_params = hf.get("rope_scaling")
-    rope_theta = hf.get("rope_theta")
+    rope_theta = _field(hf, "rope_theta", float, source, None)
     # transformers >= 5 may write both into `rope_parameters`.
     if isinstance(hf.get("rope_parameters"), dict):
         rp = hf["rope_parameters"]
-        rope_theta = rp.get("rope_theta", rope_theta)
+        rope_theta = _field(rp, "rope_theta", float, f"{source} (rope_parameters)", rope_theta)
         if rope_params is None and rp.get("rope_type", "default") != "default":
             rope_params = rp
-    num_heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    head_dim = hf.get("head_dim") or hidden // num_heads
-    sliding_window = hf.get("sliding_window")
+    num_heads = _field(hf, "num_attention_heads", int, source)
+    hidden = _field(hf, "hidden_size", int, source)
+    head_dim = _field(hf, "head_dim", int, source, None) or hidden // max(num_heads, 1)
+    sliding_window = _field(hf, "sliding_window", int, source, None)
     if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
         sliding_window = None
     if arch == "LlamaForCausalLM":
@@ -192,26 +228,36 @@ def from_hf_config(hf: dict, dtype: str | None = None) -> ModelConfig:
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        intermediate_size=int(hf["intermediate_size"]),
-        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-        rope_scaling=_rope_scaling_from_hf(rope_params),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        sliding_window=int(sliding_window) if sliding_window else None,
-        dtype=dtype or str(file_dtype),
-        architecture=arch,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=eos,
-    )
+    act = hf.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(
+            f"{source} has hidden_act={act!r}, which jaxinfer does not implement; expected one "
+            f"of {HIDDEN_ACTS}"
+        )
+    try:
+        return ModelConfig(
+            vocab_size=_field(hf, "vocab_size", int, source),
+            hidden_size=hidden,
+            num_layers=_field(hf, "num_hidden_layers", int, source),
+            num_heads=num_heads,
+            num_kv_heads=_field(hf, "num_key_value_heads", int, source, None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=_field(hf, "intermediate_size", int, source),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            rope_scaling=_rope_scaling_from_hf(rope_params, source),
+            rms_norm_eps=_field(hf, "rms_norm_eps", float, source, 1e-6),
+            max_position_embeddings=_field(hf, "max_position_embeddings", int, source, 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            sliding_window=sliding_window or None,
+            dtype=dtype or str(file_dtype),
+            architecture=arch,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            hidden_act=act,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
@@ -226,7 +272,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
-        "hidden_act": "silu",
+        "hidden_act": cfg.hidden_act,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
         "rms_norm_eps": cfg.rms_norm_eps,

@@ -26,6 +26,7 @@ from jaxinfer.cache.metadata import (
     contiguous_block_tables,
 )
 from jaxinfer.cache.paged import check_block_size, init_cache
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
@@ -39,7 +40,10 @@ class GenerationOutput:
     """One request's result."""
 
     token_ids: list[int]  # generated ids, prompt excluded, stop token included
-    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+    finish_reason: str  # "stop" (a stop token), "length" (max_tokens) or "error"
+    # With "error": what failed, e.g. non-finite logits. Keyword-only, so subclasses
+    # (SpeculativeOutput) may add fields without defaults.
+    error: str | None = dataclasses.field(default=None, kw_only=True)
 
 
 def validate_requests(
@@ -50,8 +54,9 @@ def validate_requests(
     """Checks prompts and sampling params; returns one SamplingParams per prompt.
 
     Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
-    vocabulary, prompt + max_tokens beyond max_position_embeddings, a sampling list of the wrong
-    length, n != 1.
+    vocabulary, a stop token id outside the vocabulary, prompt + max_tokens beyond
+    max_position_embeddings, a sampling list of the wrong length, n != 1. A prompt is a list,
+    tuple, numpy or jax array of integer token ids.
     """
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
@@ -67,7 +72,11 @@ def validate_requests(
             raise ValueError(f"sampling[{i}] is {type(sp).__name__}, expected SamplingParams")
         if sp.n != 1:
             raise ValueError(f"sampling[{i}].n={sp.n}: ji.generate samples n=1; use ji.Engine")
-        if isinstance(p, str | bytes) or not isinstance(p, Sequence | np.ndarray) or len(p) == 0:
+        if (
+            isinstance(p, str | bytes)
+            or not isinstance(p, Sequence | np.ndarray | jax.Array)
+            or len(p) == 0
+        ):
             raise ValueError(f"prompt {i} is empty or not a list of token ids: {p!r}")
         arr = np.asarray(p)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -77,6 +86,12 @@ def validate_requests(
             raise ValueError(
                 f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, "
                 f"{cfg.vocab_size})"
+            )
+        bad_stops = [t for t in sp.stop_token_ids if t >= cfg.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"sampling[{i}].stop_token_ids has {bad_stops[0]}, outside the vocabulary "
+                f"[0, {cfg.vocab_size}): the model can never emit it"
             )
         if len(p) + sp.max_tokens > cfg.max_position_embeddings:
             raise ValueError(
@@ -127,11 +142,15 @@ def _generate_core(
     def is_stop(tok):  # [B] -> [B] bool
         return jnp.any(tok[:, None] == stops, axis=-1)
 
+    def finite(x):  # [B, V] -> [B] bool: a NaN / Inf row would sample token 0 forever
+        return jnp.all(jnp.isfinite(x), axis=-1)
+
     real = max_tokens > 0
+    failed = real & ~finite(logits[:b])  # [B] stopped at a non-finite row, which emits nothing
     out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(first)
-    n_out = real.astype(jnp.int32)
-    stopped = real & is_stop(first)
-    done = ~real | stopped | (n_out >= max_tokens)
+    n_out = (real & ~failed).astype(jnp.int32)
+    stopped = real & ~failed & is_stop(first)
+    done = ~real | failed | stopped | (n_out >= max_tokens)
 
     def cond(state):
         *_, done, _, step = state
@@ -140,7 +159,7 @@ def _generate_core(
         return ~jnp.all(done) & (step < max_new)
 
     def body(state):
-        cache, last, lens, out, n_out, done, stopped, step = state
+        cache, last, lens, out, n_out, done, stopped, failed, step = state
         # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
         slot = tables[jnp.arange(b), lens // block_size] * block_size + lens % block_size
         batch = BatchMetadata(
@@ -154,21 +173,23 @@ def _generate_core(
         )
         logits, cache = forward(params, cfg, batch, cache, backend=backend)
         new = sample(logits, sb, lens + 1)
-        live = ~done
+        bad = ~done & ~finite(logits)
+        failed = failed | bad
+        live = ~done & ~bad
         out = out.at[jnp.arange(b), jnp.minimum(n_out, max_new - 1)].set(
             jnp.where(live, new, out[jnp.arange(b), jnp.minimum(n_out, max_new - 1)])
         )
         n_out = n_out + live
         hit = live & is_stop(new)
         stopped = stopped | hit
-        done = done | hit | (n_out >= max_tokens)
+        done = done | bad | hit | (n_out >= max_tokens)
         lens = lens + live
         last = jnp.where(live, new, last)
-        return cache, last, lens, out, n_out, done, stopped, step + 1
+        return cache, last, lens, out, n_out, done, stopped, failed, step + 1
 
-    state = (cache, first, prompt_lens, out, n_out, done, stopped, jnp.int32(1))
-    _, _, _, out, n_out, _, stopped, _ = jax.lax.while_loop(cond, body, state)
-    return out, n_out, stopped
+    state = (cache, first, prompt_lens, out, n_out, done, stopped, failed, jnp.int32(1))
+    _, _, _, out, n_out, _, stopped, failed, _ = jax.lax.while_loop(cond, body, state)
+    return out, n_out, stopped, failed
 
 
 def generate(
@@ -194,7 +215,9 @@ def generate(
         caller that runs many batches (a static-batching server) fixes them to compile once.
 
     Returns:
-      One GenerationOutput per prompt, in order.
+      One GenerationOutput per prompt, in order. A sequence whose logits turn non-finite (NaN
+      or Inf weights or activations) stops there with finish_reason "error" and an `error`
+      naming the position; the others are unaffected.
     """
     sampling = validate_requests(cfg, prompts, sampling)
     check_params(cfg, params)
@@ -204,8 +227,10 @@ def generate(
     if unknown:
         raise ValueError(f"pad_to has unknown keys {sorted(unknown)}")
     for key, value in pad_to.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        v = as_int(value)  # numpy / jax ints too (jaxinfer.checks)
+        if v is None or v < 1:
             raise ValueError(f"pad_to[{key!r}]={value!r} is invalid: expected an int >= 1")
+        pad_to[key] = v
     n = len(prompts)
     b = bucket(n, pad_to.get("seqs", 1))
     lens = [len(p) for p in prompts]
@@ -213,7 +238,7 @@ def generate(
     longest = max(n_p + sp.max_tokens for n_p, sp in zip(lens, sampling))
     m = bucket(-(-longest // block_size), pad_to.get("blocks", 1))
     tables = contiguous_block_tables(b, m)
-    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
+    chunks = [SeqChunk(np.asarray(p).tolist(), 0, tables[i]) for i, p in enumerate(prompts)]
     prefill, _ = build_metadata(
         chunks, block_size, num_tokens=bucket(sum(lens), max(16, pad_to.get("tokens", 16))),
         num_seqs=b, max_blocks=m,
@@ -223,7 +248,7 @@ def generate(
     prompt_lens[:n] = lens
     max_tokens = np.zeros(b, np.int32)
     max_tokens[:n] = [sp.max_tokens for sp in sampling]
-    out, n_out, stopped = _generate_core(
+    out, n_out, stopped, failed = _generate_core(
         params,
         prefill,
         tables,
@@ -236,8 +261,14 @@ def generate(
         block_size=block_size,
         backend=backend,
     )
-    out, n_out, stopped = jax.device_get((out, n_out, stopped))
-    return [
-        GenerationOutput(out[i, : n_out[i]].tolist(), "stop" if stopped[i] else "length")
-        for i in range(n)
-    ]
+    out, n_out, stopped, failed = jax.device_get((out, n_out, stopped, failed))
+    outs = []
+    for i in range(n):
+        tokens = out[i, : n_out[i]].tolist()
+        if failed[i]:
+            pos = lens[i] + len(tokens)
+            error = f"non-finite logits (NaN or Inf) sampling position {pos} of prompt {i}"
+            outs.append(GenerationOutput(tokens, "error", error=error))
+        else:
+            outs.append(GenerationOutput(tokens, "stop" if stopped[i] else "length"))
+    return outs

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.checks import INT32_MAX, as_float, as_int, is_int
 from jaxinfer.ops.argmax import argmax
 
 _NEG_INF = -jnp.inf
@@ -37,6 +38,8 @@ class SamplingParams:
       seed: the request's randomness; same seed and prompt -> same output, in any batch.
       ignore_eos: do not stop on the model's eos token.
       n: parallel samples per prompt (the engine forks the prompt's blocks).
+      logprobs: None, or return the sampled token's log-probability and this many top
+        alternatives per token (the engine; the model's distribution before processing).
     """
 
     temperature: float = 1.0
@@ -48,6 +51,7 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         def bad(field, expected):
@@ -55,28 +59,42 @@ class SamplingParams:
                 f"SamplingParams.{field}={getattr(self, field)!r} is invalid: expected {expected}"
             )
 
-        def is_int(v):
-            return isinstance(v, int | np.integer) and not isinstance(v, bool)
+        def real(field, ok, expected):
+            v = as_float(getattr(self, field))
+            if v is None or not math.isfinite(v) or not ok(v):
+                bad(field, expected)
+            object.__setattr__(self, field, v)
 
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            bad("temperature", "a finite number >= 0")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an int >= 0 (0 = off)")
-        if not isinstance(self.top_p, int | float) or not (0 < self.top_p <= 1):
-            bad("top_p", "a number in (0, 1]")
-        if not isinstance(self.min_p, int | float) or not (0 <= self.min_p <= 1):
-            bad("min_p", "a number in [0, 1]")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "an int >= 1")
-        if not is_int(self.seed) or not (0 <= self.seed < 2**31):
-            bad("seed", "an int in [0, 2**31)")
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "an int >= 1")
+        def integer(field, lo, hi, expected):
+            v = as_int(getattr(self, field))
+            if v is None or not lo <= v <= hi:
+                bad(field, expected)
+            object.__setattr__(self, field, v)
+
+        # Numbers are normalized to Python ones (jaxinfer.checks); every int below reaches the
+        # device as int32, so each is bounded by INT32_MAX.
+        real("temperature", lambda t: t >= 0, "a finite number >= 0")
+        real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+        real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
+        integer("top_k", 0, INT32_MAX, "an int in [0, 2**31 - 1] (0 = off)")
+        integer("max_tokens", 1, INT32_MAX, "an int in [1, 2**31 - 1]")
+        integer("seed", 0, INT32_MAX, "an int in [0, 2**31)")
+        integer("n", 1, INT32_MAX, "an int in [1, 2**31 - 1]")
+        if self.logprobs is not None:
+            integer("logprobs", 0, 20, "None or an int in [0, 20]")
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            bad("ignore_eos", "a bool")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         stops = self.stop_token_ids
-        if isinstance(stops, int | np.integer) or not all(is_int(s) and s >= 0 for s in stops):
-            bad("stop_token_ids", "a sequence of non-negative ints")
-        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        if isinstance(stops, str | bytes) or is_int(stops) or getattr(stops, "ndim", 1) != 1:
+            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
+        try:
+            ids = [as_int(s) for s in stops]
+        except TypeError:
+            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
+        if not all(s is not None and 0 <= s <= INT32_MAX for s in ids):
+            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def greedy(self) -> bool:

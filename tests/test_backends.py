@@ -1,5 +1,6 @@
 """The model runs unchanged on the Pallas attention backend (interpret mode on CPU)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,3 +65,18 @@ def test_quantized_model_same_logits_on_pallas_linear(qcfg):
     pal = ji.forward_dense(qparams, cfg, tokens, backend="pallas-interpret")
     np.testing.assert_allclose(np.asarray(pal), np.asarray(ref), atol=2e-4, rtol=0)
     assert np.abs(np.asarray(ref)).max() > 0.5
+
+
+def test_pallas_on_cpu_says_it_needs_a_gpu():
+    """Cause 14 of issue 15: JAX's internal "Only interpret mode" error named no way out."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the check is for a CPU host")
+    with pytest.raises(ValueError, match="need a GPU.*pallas-interpret"):
+        resolve_backend("pallas")
+    cfg = ji.preset("tiny-llama")
+    params = random_params(cfg, seed=1)
+    with pytest.raises(ValueError, match="need a GPU.*pallas-interpret"):
+        ji.generate(cfg, params, [[1, 2, 3]], ji.SamplingParams(max_tokens=2), backend="pallas")
+    assert resolve_backend("pallas-interpret") == "pallas-interpret"
+    with ji.ops.lowering_for_gpu():  # tracing for a CUDA lowering (kernel_compile_check)
+        assert resolve_backend("pallas") == "pallas"

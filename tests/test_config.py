@@ -68,3 +68,31 @@ def test_bad_fields_and_unknown_preset():
         PRESETS["tiny-llama"].replace(dtype="int8")
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         ji.preset("nope")
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "gelu_new"])
+def test_hidden_act_round_trips(act):
+    """Issue 15, cause 8: hidden_act was dropped on load and written back as "silu"."""
+    cfg = PRESETS["tiny-llama"].replace(hidden_act=act)
+    hf = to_hf_config(cfg)
+    assert hf["hidden_act"] == act
+    assert from_hf_config(hf) == cfg
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    assert transformers.AutoConfig.for_model("llama", **fields).hidden_act == act
+    assert hash(cfg) != hash(PRESETS["tiny-llama"]) or act == "silu"  # static under jit
+
+
+def test_unsupported_hidden_act_is_refused_by_name():
+    hf = to_hf_config(PRESETS["tiny-llama"])
+    hf["hidden_act"] = "relu"
+    with pytest.raises(ValueError, match=r"hidden_act='relu'.*expected one of"):
+        from_hf_config(hf, source="config.json in /some/dir")
+    with pytest.raises(ValueError, match="hidden_act='quick_gelu'"):
+        PRESETS["tiny-llama"].replace(hidden_act="quick_gelu")
+
+
+def test_activations_cover_the_names():
+    from jaxinfer.config import HIDDEN_ACTS
+    from jaxinfer.model.layers import ACTIVATIONS
+
+    assert set(ACTIVATIONS) == set(HIDDEN_ACTS)

@@ -1,11 +1,15 @@
 """Generation: batch invariance, stop conditions, bucketing (compile counts), bad input."""
 
+import importlib
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxinfer as ji
 from jaxinfer.generate import TRACE_COUNTS
-from tests.helpers import random_params
+from tests.helpers import poison_logits, random_params
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
 
@@ -134,9 +138,66 @@ def test_pad_to_fixes_shapes_across_batches(params):
     before = TRACE_COUNTS["generate"]
     ji.generate(CFG, params, [[4] * 9, [5] * 20, [6]], sp, pad_to=pad)
     ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=pad)
+    # numpy and jax ints are ints (issue 15 cause 3): the same shapes, no new compilation.
+    mixed = {k: (np.int64(v) if k == "seqs" else jnp.int32(v)) for k, v in pad.items()}
+    ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=mixed)
     assert TRACE_COUNTS["generate"] == before
     with pytest.raises(ValueError, match="unknown keys"):
         ji.generate(CFG, params, [[1]], sp, pad_to={"batch": 4})
-    for bad in (0, -4, 2.5, True):
-        with pytest.raises(ValueError, match=rf"pad_to\['seqs'\]={bad!r} is invalid"):
+    for bad in (0, -4, 2.5, True, np.bool_(True), jnp.float32(4)):
+        with pytest.raises(ValueError, match=re.escape(f"pad_to['seqs']={bad!r} is invalid")):
             ji.generate(CFG, params, [[1]], sp, pad_to={"seqs": bad})
+
+
+def test_stop_id_beyond_the_vocabulary_is_refused(params):
+    """Issue 15 cause 2: a stop id the model can never emit is a mistake, named."""
+    sp = ji.SamplingParams(max_tokens=2, stop_token_ids=(3, CFG.vocab_size))
+    with pytest.raises(ValueError, match=rf"stop_token_ids.*{CFG.vocab_size}.*vocabulary"):
+        ji.generate(CFG, params, [[1, 2]], sp)
+
+
+def test_jax_and_numpy_prompts_are_accepted(params):
+    """Issue 15 cause 3: a jax.Array prompt works like a numpy array or a list."""
+    import jax.numpy as jnp
+
+    sp = ji.SamplingParams(temperature=0, max_tokens=3)
+    want = ji.generate(CFG, params, [[5, 6, 7]], sp)[0].token_ids
+    for p in (np.array([5, 6, 7]), jnp.array([5, 6, 7], jnp.int32), (5, 6, 7)):
+        assert ji.generate(CFG, params, [p], sp)[0].token_ids == want
+    with pytest.raises(ValueError, match="prompt 0"):
+        ji.generate(CFG, params, [jnp.array([5.0, 6.0])], sp)
+
+
+def _expected_with_poison(prompt, ref, mark):
+    """ref's tokens up to the first one fed to the model that is `mark` (then an error)."""
+    fed = [prompt[-1]] + ref.token_ids[:-1]  # the last token of each step's input
+    for k, t in enumerate(fed):
+        if t == mark:
+            return ref.token_ids[:k], "error"
+    return ref.token_ids, ref.finish_reason
+
+
+def test_non_finite_logits_end_that_sequence_with_an_error(params, monkeypatch):
+    """Issue 15 cause 6 (sampling half): a NaN / Inf row of logits is an error output for that
+    sequence, not token 0 "length" forever; the batch's other sequences are unaffected."""
+    gen = importlib.import_module("jaxinfer.generate")  # the attribute is the function
+
+    static = dict(static_argnames=("cfg", "max_new", "block_size", "backend"))
+    sp = ji.SamplingParams(temperature=0, max_tokens=6)
+    prompts = [[5, 6, 7], [9, 10, 99], [11, 12]]
+    want = ji.generate(CFG, params, prompts, sp)
+    assert all(o.error is None for o in want)
+    # At the prefill: the prompt of sequence 1 ends with 99.
+    poison_logits(gen, "_generate_core", static, monkeypatch, 99, float("nan"))
+    got = ji.generate(CFG, params, prompts, sp)
+    assert (got[1].token_ids, got[1].finish_reason) == ([], "error")
+    assert "non-finite logits" in got[1].error and "position 3" in got[1].error
+    assert got[0] == want[0] and got[2] == want[2]
+    # Mid-decode: once a sequence feeds a generated `mark` back, it stops there.
+    mark = want[0].token_ids[2]
+    poison_logits(gen, "_generate_core", static, monkeypatch, mark, float("inf"))
+    got = ji.generate(CFG, params, prompts, sp)
+    for p, g, w in zip(prompts, got, want):
+        assert (g.token_ids, g.finish_reason) == _expected_with_poison(p, w, mark)
+        assert (g.error is not None) == (g.finish_reason == "error")
+    assert got[0].finish_reason == "error" and len(got[0].token_ids) <= 3

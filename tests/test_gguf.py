@@ -292,6 +292,18 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
         ji.load_checkpoint(path)
 
 
+def test_non_finite_weights_are_named(tmp_path):
+    tensors = hf_tensors(SMALL, random_params(SMALL))
+    tensors["blk.1.ffn_norm.weight"] = tensors["blk.1.ffn_norm.weight"].copy()
+    tensors["blk.1.ffn_norm.weight"][3] = np.nan
+    path = str(tmp_path / "nan.gguf")
+    write_gguf(path, SMALL, tensors)
+    with pytest.raises(ValueError, match=r"non-finite weights.*mlp_norm.*check_finite=False"):
+        ji.load_checkpoint(path)
+    _, params = ji.load_checkpoint(path, check_finite=False)
+    assert np.isnan(np.asarray(params["layers"]["mlp_norm"][1, 3]))
+
+
 def test_directory_with_several_gguf_files(tmp_path):
     _write(tmp_path, SMALL, name="a.gguf")
     _write(tmp_path, SMALL, name="b.gguf")

@@ -171,3 +171,87 @@ def test_sample_index_shape_is_checked():
     logits, sb, pos = _mixed_batch(4)
     with pytest.raises(ValueError, match="sample_index has shape"):
         sample(logits, sb, pos, sample_index=jnp.zeros(3, jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**40),
+        ("top_k", 2**31),
+        ("stop_token_ids", (1, 2**40)),
+        ("max_tokens", 2**31),
+        ("seed", 2**40),
+        ("n", 2**40),
+    ],
+)
+def test_values_beyond_int32_are_refused_by_name(field, value):
+    """Issue 15 cause 2: int32 overflow is a ValueError naming the field, not numpy's."""
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_int32_max_is_accepted_and_packs():
+    sp = SamplingParams(top_k=2**31 - 1, stop_token_ids=(2**31 - 1,), max_tokens=2**31 - 1)
+    SamplingBatch.from_params([sp])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=np.float32(0.5)),
+        dict(temperature=np.float64(0.5)),
+        dict(temperature=jnp.float32(0.5)),
+        dict(temperature=np.int64(1)),
+        dict(top_p=np.float32(0.9)),
+        dict(top_p=jnp.float32(0.9)),
+        dict(min_p=np.float32(0.05)),
+        dict(min_p=jnp.asarray(0.05)),
+        dict(top_k=np.int64(5)),
+        dict(top_k=jnp.int32(5)),
+        dict(max_tokens=np.int32(7)),
+        dict(max_tokens=jnp.int32(7)),
+        dict(seed=np.uint8(3)),
+        dict(seed=jnp.int32(3)),
+        dict(n=np.int16(2)),
+        dict(stop_token_ids=(np.int64(3), jnp.int32(4))),
+        dict(stop_token_ids=np.array([3, 4])),
+        dict(stop_token_ids=jnp.array([3, 4], jnp.int32)),
+    ],
+    ids=lambda kw: f"{next(iter(kw))}={type(next(iter(kw.values()))).__name__}",
+)
+def test_numpy_and_jax_scalars_are_accepted_as_python_numbers(kwargs):
+    """Issue 15 cause 3: np.float32(0.5) and jax scalars are numbers; stored as Python ones."""
+    sp = SamplingParams(**kwargs)
+    ((field, value),) = kwargs.items()
+    got = getattr(sp, field)
+    if field == "stop_token_ids":
+        assert got == tuple(int(v) for v in np.asarray(value).tolist())
+        assert all(type(v) is int for v in got)
+    else:
+        assert got == pytest.approx(float(np.asarray(value)))
+        assert type(got) is (int if field in ("top_k", "max_tokens", "seed", "n") else float)
+    SamplingBatch.from_params([sp])
+    hash(sp)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=True), "temperature"),
+        (dict(top_p=np.bool_(True)), "top_p"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_k=np.bool_(True)), "top_k"),
+        (dict(top_k=np.float32(3.0)), "top_k"),
+        (dict(top_k=jnp.array([3])), "top_k"),
+        (dict(max_tokens=jnp.float32(3)), "max_tokens"),
+        (dict(seed=False), "seed"),
+        (dict(stop_token_ids=(True,)), "stop_token_ids"),
+        (dict(stop_token_ids="ab"), "stop_token_ids"),
+        (dict(temperature=np.float32("nan")), "temperature"),
+        (dict(temperature=jnp.array([0.5, 0.5])), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+    ],
+)
+def test_wrong_kind_scalars_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**kwargs)

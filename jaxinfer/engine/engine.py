@@ -13,15 +13,20 @@ or, streaming, with requests arriving over time:
 Each `step()` asks the `Scheduler` (host only) for a `Schedule`, applies its copy-on-write block
 copies with one jitted call, turns its sequences into a ragged `BatchMetadata` and runs one jitted
 step: the model forward over the paged cache, then sampling on the device. Only the sampled token
-ids (`[B]` int32) come back to the host. The cache is donated to both calls, so it is updated in
-place. T (tokens), B (sequences = logits rows = sample rows) and M (blocks per sequence) are padded
-to powers of two, so a run compiles at most once per distinct (T, B, M); `STEP_TRACE_COUNTS`
-counts compilations for tests.
+ids (`[B]` int32, -1 where a row of logits is not finite) come back to the host. The cache is
+donated to both calls, so it is updated in place. T (tokens), B (sequences = logits rows = sample
+rows) and M (blocks per sequence) are padded to powers of two, so a run compiles at most once per
+distinct (T, B, M); `STEP_TRACE_COUNTS` counts compilations for tests.
 
 Sampling is `jaxinfer.sampling.sample` with each row's `sample_index`: sample 0 of a request draws
 the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request gives exactly
 `ji.generate`'s output; the forks 1..n-1 of an n > 1 request use
 `fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
+
+A step is a transaction (see `Engine.step`): if it fails after `schedule()`, the scheduler and
+allocator roll back, the step's requests end with finish reason "error" and the exception's
+message in `StreamOutput.error` / `RequestOutput.error`, K/V the step may have overwritten are
+recomputed, and every other request continues exactly as without the failure.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import numpy as np
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import KV_FORMATS, PagedKVCache, copy_blocks, init_cache
+from jaxinfer.checks import check_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.request import Request
@@ -94,9 +100,8 @@ class EngineConfig:
     min_seq_bucket: int = 1
 
     def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
+        # One int policy (jaxinfer.checks): numpy / jax ints are normalized to Python ints,
+        # bools and floats refused.
         for name, lo in (
             ("block_size", 1),
             ("num_blocks", 2),
@@ -106,9 +111,12 @@ class EngineConfig:
             ("min_block_bucket", 1),
             ("min_seq_bucket", 1),
         ):
-            v = getattr(self, name)
-            if not is_int(v) or v < lo:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: expected an int >= {lo}")
+            object.__setattr__(
+                self, name, check_int(f"EngineConfig.{name}", getattr(self, name), lo)
+            )
+        if self.long_prefill_threshold is not None:
+            t = check_int("EngineConfig.long_prefill_threshold", self.long_prefill_threshold, 1)
+            object.__setattr__(self, "long_prefill_threshold", t)
         if self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: expected one of {BACKENDS}")
         if self.kv_format not in KV_FORMATS:
@@ -117,11 +125,18 @@ class EngineConfig:
             )
         if self.kv_dtype is not None:
             try:
-                jnp.dtype(self.kv_dtype)
+                dtype = jnp.dtype(self.kv_dtype)
             except TypeError:
                 raise ValueError(
                     f"EngineConfig.kv_dtype={self.kv_dtype!r}: expected None or a dtype name"
                 ) from None
+            # An integer store would truncate K/V; quantized storage is kv_format's business.
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    f"EngineConfig.kv_dtype={self.kv_dtype!r} is not a floating dtype: a "
+                    f"{dtype} store would truncate K/V; expected a floating dtype (float32, "
+                    f"bfloat16, ...) or kv_format in {KV_FORMATS[1:]} for a quantized cache"
+                )
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: expected a bool")
@@ -152,16 +167,37 @@ class StreamOutput:
     sample_index: int  # 0 .. n-1
     new_token_ids: list[int]
     finished: bool  # this sample finished
-    finish_reason: str | None  # "stop", "length", "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     request_finished: bool  # every sample of the request finished
+    error: str | None = None  # with finish_reason "error": what failed (the exception's message)
+    # With SamplingParams.logprobs: per new token (its logprob, ((id, logprob), ...) top-k).
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput(GenerationOutput):
-    """One request's result: `token_ids` / `finish_reason` of sample 0, and every sample."""
+    """One request's result: `token_ids` / `finish_reason` of sample 0, and every sample.
+
+    A failed request (see `Engine.step`) has finish_reason "error" and `error` its message;
+    `token_ids` holds what it streamed before the failure.
+    """
 
     request_id: Hashable = None
     samples: tuple[GenerationOutput, ...] = ()  # [n] in sample order; samples[0] is the above
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """A step's device inputs, built on the host before anything reaches the device."""
+
+    meta: BatchMetadata  # T tokens, B sequences
+    src: np.ndarray  # [B] int32 logits row of each sample row
+    sb: SamplingBatch  # [B] rows
+    pos: np.ndarray  # [B] int32 position of each sampled token
+    index: np.ndarray  # [B] int32 sample index
+    ids: list[int]  # [R] seq id of each real sample row
+    shape: tuple[int, int, int]  # (T, B, M)
+    sps: tuple[SamplingParams, ...]  # [R] the request settings of each real sample row
 
 
 @dataclasses.dataclass
@@ -192,8 +228,34 @@ def _step(
 ) -> tuple[jax.Array, PagedKVCache]:
     STEP_TRACE_COUNTS["step"] += 1
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
-    tokens = sample(logits[sample_src], sb, sample_pos, sample_index)  # [B]
-    return tokens, cache
+    rows = logits[sample_src]  # [B, V]
+    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
+    # A NaN / Inf row would sample an arbitrary token (argmax of NaN is 0): flag it as -1, so
+    # the one [B] transfer carries the check too.
+    return jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), cache
+
+
+def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    """Log-probabilities of `tokens [B]` under `logits [B, V]` and the top `k` of each row."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]  # [B]
+    top_lp, top_ids = jax.lax.top_k(logp, k)  # [B, k]
+    return chosen, top_ids, top_lp
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "backend", "num_logprobs"), donate_argnames=("cache",)
+)
+def _step_logprobs(
+    params, cache, meta, sample_src, sb, sample_pos, sample_index, *, cfg, backend, num_logprobs
+):
+    """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`)."""
+    STEP_TRACE_COUNTS["step"] += 1
+    logits, cache = forward(params, cfg, meta, cache, backend=backend)
+    rows = logits[sample_src]  # [B, V]
+    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
+    lp = _token_logprobs(rows, tokens, num_logprobs)
+    return (jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), lp), cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -216,11 +278,37 @@ def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, i
     return groups
 
 
+def _host_logprobs(ids, sps, chosen, top_ids, top_lp) -> dict[int, tuple]:
+    """seq id -> [(logprob, ((id, logprob), ...))] for the rows that asked for logprobs."""
+    out = {}
+    for r, (sid, sp) in enumerate(zip(ids, sps)):
+        if sp.logprobs is not None:
+            top = tuple(zip(top_ids[r, : sp.logprobs].tolist(), top_lp[r, : sp.logprobs].tolist()))
+            out[sid] = [(float(chosen[r]), top)]
+    return out
+
+
 def _padded(values: list[int], n: int) -> np.ndarray:
     """`values` zero-padded to `[n]` int32."""
     out = np.zeros(n, np.int32)
     out[: len(values)] = values
     return out
+
+
+def _token_list(prompt) -> list[int]:
+    """A validated prompt (list, tuple, numpy or jax array) as Python ints, in one transfer."""
+    if hasattr(prompt, "__array__"):
+        return np.asarray(prompt).tolist()
+    return [int(t) for t in prompt]
+
+
+def _written_blocks(schedule: Schedule, block_size: int) -> set[int]:
+    """Blocks a step writes K/V into: its sequences' blocks from the first computed position on
+    (copy-on-write destinations among them)."""
+    written = {dst for _, dst in schedule.block_copies}
+    for s in schedule.seqs:
+        written.update(s.block_table[s.start_pos // block_size :])
+    return written
 
 
 def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
@@ -270,12 +358,16 @@ class Engine:
         self._probe = Scheduler(config.scheduler_config(), BlockAllocator(nb, S, False))
         self._live: dict[Hashable, _Live] = {}
         self._sample_index: dict[int, int] = {}  # live seq id -> its sample index
+        self._rid_of: dict[int, Hashable] = {}  # live seq id -> its request
+        self._touched_device = False  # the current step made a device call
         self._keep: set[Hashable] = set()  # requests whose final output generate() collects
         self._done: dict[Hashable, RequestOutput] = {}
         self._ids = itertools.count()
         self.step_shapes: collections.Counter = collections.Counter()  # (T, B, M) -> steps
         self.num_steps = 0  # steps that ran on the device
+        self.num_failed_steps = 0  # steps undone after an exception (their requests failed)
         self.last_schedule: Schedule | None = None
+        self._step_logprobs: dict[int, tuple] = {}  # seq id -> its logprobs of the last step
 
     # ------------------------------------------------------------------------ requests
 
@@ -290,7 +382,7 @@ class Engine:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
             validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
             # Pool, rows and budget, by the scheduler's own admission checks.
-            self._probe.add_request(Request(probe_id, list(map(int, prompt)), sp))
+            self._probe.add_request(Request(probe_id, _token_list(prompt), sp))
         except ValueError as e:
             raise ValueError(f"request {index} ({request_id!r}): {e}") from None
         finally:
@@ -308,7 +400,8 @@ class Engine:
         Args:
           prompt: token ids.
           sampling: its SamplingParams (n > 1: n samples sharing the prompt's blocks).
-          request_id: a hashable id never used before in this engine; None: a fresh one.
+          request_id: a hashable id never used before in this engine; None: a fresh one
+            ("req-<k>"), never one used before, chosen or automatic.
           arrival_time: its arrival in the metrics clock; None: now.
 
         Returns:
@@ -320,19 +413,27 @@ class Engine:
             without chunked prefill); nothing is queued then.
         """
         sp = SamplingParams() if sampling is None else sampling
-        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        rid = self._auto_id(lambda k: f"req-{k}") if request_id is None else request_id
         self._check(prompt, sp, rid, 0)
         self._enqueue(prompt, sp, rid, arrival_time)
         return rid
 
+    def _auto_id(self, make: Callable[[int], Hashable]) -> Hashable:
+        """The next automatic id `make(k)` that no request of this engine has used."""
+        while True:
+            rid = make(next(self._ids))
+            if rid not in self.metrics_collector.requests:
+                return rid
+
     def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
-        prompt = [int(t) for t in prompt]
+        prompt = _token_list(prompt)
         sched_sp = dataclasses.replace(sp, stop_token_ids=_stop_ids(self.cfg, sp))
         self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
         arrival = self.metrics_collector.requests[rid].arrival_time
         seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival))
         for j, sid in enumerate(seq_ids):
             self._sample_index[sid] = j
+            self._rid_of[sid] = rid
         self._live[rid] = _Live(sp, seq_ids, [[] for _ in seq_ids], [None] * len(seq_ids))
 
     def abort(self, request_id: Hashable) -> bool:
@@ -343,6 +444,7 @@ class Engine:
         live = self._live.pop(request_id)
         for sid in live.seq_ids:
             self._sample_index.pop(sid, None)
+            self._rid_of.pop(sid, None)
         self._keep.discard(request_id)
         return True
 
@@ -354,23 +456,58 @@ class Engine:
     def step(self) -> list[StreamOutput]:
         """Runs one scheduling step on the device.
 
+        The step is a transaction. If anything fails after `schedule()` (building the batch on
+        the host, a device call, `update`), the scheduler and allocator return to their state
+        before the step, every request of the step fails (its samples end with finish reason
+        "error" and the exception's message; its blocks are freed), and the other requests go
+        on as if the step had never been scheduled. The failed requests are not retried: the
+        engine cannot tell a transient fault from one a request causes, and retrying the latter
+        would fail again. K/V the failed step may have overwritten are recomputed (preemption by
+        recompute), so the other requests' tokens are exactly those of a run without the
+        failure. A request whose logits row is not finite (NaN / Inf) fails alone, its error
+        naming the non-finite logits.
+
         Returns:
-          One StreamOutput per sample that received tokens this step, in schedule order.
+          One StreamOutput per sample that received tokens, or failed, this step, in schedule
+          order (failed requests last).
         """
         schedule = self.scheduler.schedule()
         self.last_schedule = schedule
         if schedule.is_empty:
             self.scheduler.update(schedule, {})
             return []
-        self._apply_copies(schedule.block_copies)
-        sampled = self._run(schedule)
-        outs = self.scheduler.update(schedule, sampled)
+        self._touched_device = False
+        try:
+            batch = self._build(schedule)
+            self._touched_device = True  # from here on the cache is donated
+            self._apply_copies(schedule.block_copies)
+            sampled = self._run(batch)  # seq id -> (token or -1, position)
+            # Rows with non-finite logits get a placeholder token for update(); their requests
+            # fail right after it.
+            bad = {sid: pos for sid, (tok, pos) in sampled.items() if tok < 0}
+            outs = self.scheduler.update(
+                schedule, {sid: [max(tok, 0)] for sid, (tok, _) in sampled.items()}
+            )
+        except Exception as e:
+            return self._recover(schedule, e)
+        except BaseException:  # KeyboardInterrupt and the like: undo, fail nobody, re-raise
+            self._undo(schedule)
+            self._forget_written(schedule)
+            raise
         now = self.clock()
         self.num_steps += 1
+        failed: dict[Hashable, str] = {}  # request -> error, for non-finite logits
+        for sid, pos in bad.items():
+            rid = self._rid_of[sid]
+            failed.setdefault(
+                rid, f"non-finite logits (NaN or Inf) sampling position {pos} of request {rid!r}"
+            )
 
         stream: list[StreamOutput] = []
         per_request: dict[Hashable, int] = {}  # request -> tokens this step
         for o in outs:
+            if o.request_id in failed:
+                continue
             live = self._live[o.request_id]
             j = self._sample_index[o.seq_id]
             live.tokens[j].extend(o.new_token_ids)
@@ -379,14 +516,22 @@ class Engine:
             per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
             stream.append(
                 StreamOutput(
-                    o.request_id, j, list(o.new_token_ids), o.finished, reason, o.request_finished
+                    o.request_id,
+                    j,
+                    list(o.new_token_ids),
+                    o.finished,
+                    reason,
+                    o.request_finished,
+                    logprobs=self._step_logprobs.get(o.seq_id) if o.new_token_ids else None,
                 )
             )
         for rid, n in per_request.items():
             self.metrics_collector.on_tokens(rid, n, now)
         for o in outs:
-            if o.request_finished and o.request_id in self._live:
+            if o.request_finished and o.request_id in self._live and o.request_id not in failed:
                 self._finish(o.request_id, now)
+        for rid, error in failed.items():
+            stream += self._fail(rid, error, now)
         usage = self.allocator.usage()
         self.metrics_collector.on_step(
             now,
@@ -403,16 +548,103 @@ class Engine:
         )
         return stream
 
-    def _finish(self, rid: Hashable, now: float) -> None:
+    # ------------------------------------------------------------------------ failures
+
+    def _recover(self, schedule: Schedule, error: Exception) -> list[StreamOutput]:
+        """Undoes a failed step and fails its requests (see `step`)."""
+        self.num_failed_steps += 1
+        self._undo(schedule)
+        message = str(error) or type(error).__name__
+        now = self.clock()
+        stream: list[StreamOutput] = []
+        for rid in dict.fromkeys(s.request_id for s in schedule.seqs):  # ordered, unique
+            if rid in self._live:
+                stream += self._fail(rid, message, now)
+        self._forget_written(schedule)
+        return stream
+
+    def _undo(self, schedule: Schedule) -> None:
+        """Rolls the scheduler back and recomputes the K/V the failed step may have spoilt.
+
+        The rolled-back state refers to the K/V of before the step. The step wrote (or may have
+        written) only the blocks its sequences compute into and the copies' destinations: before
+        the step those were free, cached (evictable), held by a sequence the step preempted, or
+        the scheduled sequences' own uncomputed slots. So the preempted sequences holding a
+        written block are preempted again (recompute), and `_forget_written` takes the written
+        blocks out of the prefix cache once the failed requests freed theirs. If the cache itself
+        is gone (donated to a device call that failed), everything is recomputed on a new cache.
+        """
+        self.scheduler.rollback()
+        if not self._touched_device:
+            return  # nothing reached the device: the state before the step is exact
+        if not self._cache_alive():
+            self.cache = init_cache(
+                self.cfg,
+                self.config.num_blocks,
+                self.config.block_size,
+                dtype=self.config.kv_dtype,
+                kv_format=self.config.kv_format,
+            )
+            for seq in self.scheduler.running:
+                self.scheduler.preempt(seq.seq_id)
+            self.allocator.reset_prefix_cache()  # no block is held now: every entry goes
+            return
+        written = _written_blocks(schedule, self.config.block_size)
+        for sid in schedule.preempted_seq_ids:
+            if self.allocator.has_seq(sid) and written & set(self.allocator.block_table(sid)):
+                self.scheduler.preempt(sid)
+
+    def _forget_written(self, schedule: Schedule) -> None:
+        """Takes the blocks a failed step wrote out of the prefix cache (after `_undo` and the
+        failed requests' aborts, no table holds one)."""
+        if not self._touched_device:
+            return
+        written = _written_blocks(schedule, self.config.block_size)
+        if any(self.allocator.refcount(b) for b in written):
+            # Not expected (see `_undo`); recompute everything rather than trust a stale block.
+            for seq in self.scheduler.running:
+                self.scheduler.preempt(seq.seq_id)
+        self.allocator.invalidate(sorted(written))
+
+    def _cache_alive(self) -> bool:
+        """Whether the cache arrays exist and hold no error (a failed call may consume them)."""
+        try:
+            leaves = jax.tree.leaves(self.cache)
+            if any(x.is_deleted() for x in leaves):
+                return False
+            jax.block_until_ready(leaves)
+            return True
+        except Exception:
+            return False
+
+    def _fail(self, rid: Hashable, error: str, now: float) -> list[StreamOutput]:
+        """Ends a live request with finish reason "error"; returns the outputs of its samples
+        that had not finished."""
+        self.scheduler.abort(rid)
+        live = self._live[rid]
+        stream = []
+        for j, reason in enumerate(live.reasons):
+            if reason is None:
+                live.reasons[j] = "error"
+                stream.append(StreamOutput(rid, j, [], True, "error", True, error))
+        self._finish(rid, now, error=error)
+        return stream
+
+    def _finish(self, rid: Hashable, now: float, error: str | None = None) -> None:
         live = self._live.pop(rid)
         for sid in live.seq_ids:
             self._sample_index.pop(sid, None)
-        self.metrics_collector.on_finish(rid, now)
+            self._rid_of.pop(sid, None)
+        self.metrics_collector.on_finish(rid, now, aborted=error is not None)
         if rid in self._keep:
-            samples = tuple(GenerationOutput(t, r) for t, r in zip(live.tokens, live.reasons))
-            self._done[rid] = RequestOutput(
-                samples[0].token_ids, samples[0].finish_reason, request_id=rid, samples=samples
+            samples = tuple(
+                GenerationOutput(t, r, error=error if r == "error" else None)
+                for t, r in zip(live.tokens, live.reasons)
             )
+            self._done[rid] = RequestOutput(
+                samples[0].token_ids, samples[0].finish_reason,
+                error=error, request_id=rid, samples=samples,
+            )  # fmt: skip
 
     def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
         for group in _copy_groups(copies):
@@ -422,8 +654,8 @@ class Engine:
             src[: len(group)], dst[: len(group)] = zip(*group)
             self.cache = _copy(self.cache, src, dst)
 
-    def _run(self, schedule: Schedule) -> dict[int, list[int]]:
-        """Builds the padded batch, runs the jitted step; returns seq id -> [sampled token]."""
+    def _build(self, schedule: Schedule) -> _Batch:
+        """The padded device batch of a schedule (host only)."""
         cfg = self.config
         S = cfg.block_size
         seqs = schedule.seqs
@@ -448,13 +680,27 @@ class Engine:
         index = _padded([self._sample_index[sid] for sid in ids], b)
         sps = [self._live[seqs[i].request_id].sampling for i, _ in rows]
         sb = SamplingBatch.from_params(sps, pad_to=b)
-        self.step_shapes[(t, b, m)] += 1
-        tokens, self.cache = _step(
-            self.params, self.cache, meta, src, sb, pos, index,
-            cfg=self.cfg, backend=cfg.backend,
-        )  # fmt: skip
+        return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps))
+
+    def _run(self, batch: _Batch) -> dict[int, tuple[int, int]]:
+        """Runs the jitted step; returns seq id -> (sampled token, or -1 for non-finite logits;
+        the position it takes). Sets `_step_logprobs` for rows that asked for logprobs."""
+        self.step_shapes[batch.shape] += 1
+        self._step_logprobs = {}
+        k = max((sp.logprobs for sp in batch.sps if sp.logprobs is not None), default=None)
+        if k is None:
+            tokens, self.cache = _step(
+                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
+                cfg=self.cfg, backend=self.config.backend,
+            )  # fmt: skip
+        else:  # top-k padded to a power of two: few compilations
+            (tokens, lp), self.cache = _step_logprobs(
+                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
+                cfg=self.cfg, backend=self.config.backend, num_logprobs=bucket(max(k, 1)),
+            )  # fmt: skip
+            self._step_logprobs = _host_logprobs(batch.ids, batch.sps, *(np.asarray(x) for x in lp))
         tokens = np.asarray(tokens).tolist()  # [B] the only device -> host transfer
-        return {sid: [tok] for sid, tok in zip(ids, tokens)}
+        return {sid: (tok, p) for sid, tok, p in zip(batch.ids, tokens, batch.pos.tolist())}
 
     # ------------------------------------------------------------------------ batch API
 
@@ -482,7 +728,7 @@ class Engine:
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        rids = [("generate", next(self._ids)) for _ in prompts]
+        rids = [self._auto_id(lambda k: ("generate", k)) for _ in prompts]
         for i, (p, sp) in enumerate(zip(prompts, sampling)):
             self._check(p, sp, rids[i], i)
         for p, sp, rid in zip(prompts, sampling, rids):

@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import numbers
 from collections.abc import Hashable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
+
+import numpy as np
+
+from jaxinfer.checks import INT32_MAX, as_int
 
 
 class SeqStatus(enum.Enum):
@@ -29,10 +32,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # sampled a stop token (kept in the output)
     LENGTH = "length"  # reached max_tokens
     ABORT = "abort"  # aborted by the client
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,56 +52,62 @@ class Request:
     arrival_time: float = 0.0
 
     def __post_init__(self):
+        rid = self.request_id
         prompt = self.prompt_token_ids
         try:
             if isinstance(prompt, (str, bytes)):
                 raise TypeError
-            prompt = list(prompt)
+            # A numpy or jax array converts in one transfer, not one per token.
+            prompt = np.asarray(prompt).tolist() if hasattr(prompt, "__array__") else list(prompt)
+            if not isinstance(prompt, list):
+                raise TypeError  # a 0-d array
         except TypeError:
             raise ValueError(
-                f"request {self.request_id!r}: prompt_token_ids must be a sequence of ints, "
+                f"request {rid!r}: prompt_token_ids must be a sequence of ints, "
                 f"got {type(self.prompt_token_ids).__name__}"
             ) from None
         if len(prompt) == 0:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
-        if not all(_is_int(t) and int(t) >= 0 for t in prompt):
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        ids = [as_int(t) for t in prompt]
+        if not all(t is not None and 0 <= t <= INT32_MAX for t in ids):
             raise ValueError(
-                f"request {self.request_id!r}: prompt_token_ids must be ints >= 0, got {prompt!r}"
+                f"request {rid!r}: prompt_token_ids must be ints in [0, 2**31 - 1], got {prompt!r}"
             )
-        self.prompt_token_ids = [int(t) for t in prompt]
+        self.prompt_token_ids = ids
         sp = self.sampling_params
         for name in ("max_tokens", "stop_token_ids"):
             if not hasattr(sp, name):
                 raise ValueError(
-                    f"request {self.request_id!r}: sampling_params needs a {name!r} attribute; "
+                    f"request {rid!r}: sampling_params needs a {name!r} attribute; "
                     f"got {type(sp).__name__}"
                 )
-        if not _is_int(sp.max_tokens) or int(sp.max_tokens) < 1:
+        max_tokens = as_int(sp.max_tokens)
+        if max_tokens is None or not 1 <= max_tokens <= INT32_MAX:
             raise ValueError(
-                f"request {self.request_id!r}: max_tokens must be an int >= 1, got "
+                f"request {rid!r}: max_tokens must be an int in [1, 2**31 - 1], got "
                 f"{sp.max_tokens!r}"
             )
-        n = getattr(sp, "n", 1)
-        if not _is_int(n) or int(n) < 1:
-            raise ValueError(f"request {self.request_id!r}: n must be an int >= 1, got {n!r}")
-        stop = () if sp.stop_token_ids is None else tuple(sp.stop_token_ids)
-        if not all(_is_int(t) for t in stop):
+        n = as_int(getattr(sp, "n", 1))
+        if n is None or not 1 <= n <= INT32_MAX:
             raise ValueError(
-                f"request {self.request_id!r}: stop_token_ids must be ints, got {stop!r}"
+                f"request {rid!r}: n must be an int in [1, 2**31 - 1], got {getattr(sp, 'n', 1)!r}"
             )
+        stop = () if sp.stop_token_ids is None else tuple(sp.stop_token_ids)
+        if not all(as_int(t) is not None for t in stop):
+            raise ValueError(f"request {rid!r}: stop_token_ids must be ints, got {stop!r}")
 
-    @property
+    @functools.cached_property  # read for every sampled token, like stop_token_ids
     def max_tokens(self) -> int:
-        return int(self.sampling_params.max_tokens)
+        return as_int(self.sampling_params.max_tokens)
 
     @functools.cached_property  # read for every sampled token; sampling_params is not mutated
     def stop_token_ids(self) -> frozenset[int]:
         stop = self.sampling_params.stop_token_ids
-        return frozenset() if stop is None else frozenset(int(t) for t in stop)
+        return frozenset() if stop is None else frozenset(as_int(t) for t in stop)
 
     @property
     def n(self) -> int:
-        return int(getattr(self.sampling_params, "n", 1))
+        return as_int(getattr(self.sampling_params, "n", 1))
 
     @property
     def num_prompt_tokens(self) -> int:

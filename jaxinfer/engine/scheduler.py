@@ -2,7 +2,9 @@
 
 The scheduler only touches host state (the `BlockAllocator` and the sequences) and returns a plain
 `Schedule`; the engine turns it into batch metadata, applies the block copies, runs one jitted step
-and hands the sampled tokens back to `update`. Every `schedule()` must be followed by `update()`.
+and hands the sampled tokens back to `update`. Every `schedule()` must be followed by `update()`,
+or by `rollback()`, which returns the scheduler and its allocator to their state before the
+`schedule()` (the engine's undo of a step that failed).
 
 Policy, per step, under `max_num_seqs` batch rows and `max_num_batched_tokens` tokens:
 
@@ -112,6 +114,21 @@ class SeqOutput:
     request_finished: bool  # every sequence of the request finished
 
 
+@dataclasses.dataclass(frozen=True)
+class _SchedulerState:
+    """What `Scheduler.rollback` restores (see `Scheduler._save_state`)."""
+
+    waiting: list[Sequence]
+    running: list[Sequence]
+    seqs: dict[int, Sequence]
+    requests: dict[Hashable, list[Sequence]]
+    seq_ids: dict[Hashable, tuple[int, ...]]
+    num_preemptions: int
+    fields: list[tuple]  # per live sequence: it, num_computed, status, reason, prefill_end,
+    # forked, len(token_ids)
+    allocator: object  # BlockAllocator.save_state()
+
+
 class Scheduler:
     """Continuous-batching scheduler over a `BlockAllocator` (see the module docstring).
 
@@ -130,6 +147,8 @@ class Scheduler:
         self._seq_ids: dict[Hashable, tuple[int, ...]] = {}  # live request -> its n seq ids
         self._next_seq_id = 0
         self._pending: Schedule | None = None
+        self._before: _SchedulerState | None = None  # the state before the pending schedule()
+        self._between: list[tuple] = []  # add_request / abort calls since then, for rollback
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------------------- views
@@ -188,18 +207,25 @@ class Scheduler:
             )
         ids = tuple(range(self._next_seq_id, self._next_seq_id + n))
         self._next_seq_id += n
+        self._queue(request, ids)
+        if self._before is not None:
+            self._between.append(("add", request, ids))
+        return ids
+
+    def _queue(self, request: Request, ids: tuple[int, ...]) -> None:
         seq = Sequence(ids[0], request, 0, list(request.prompt_token_ids))
         self._seqs[seq.seq_id] = seq
-        self._requests[rid] = [seq]
-        self._seq_ids[rid] = ids
+        self._requests[request.request_id] = [seq]
+        self._seq_ids[request.request_id] = ids
         self._waiting.append(seq)
-        return ids
 
     def abort(self, request_id: Hashable) -> bool:
         """Frees every sequence of a request in any state; False if it is not live."""
         seqs = self._requests.get(request_id)
         if seqs is None:
             return False
+        if self._before is not None:
+            self._between.append(("abort", request_id))
         for seq in [s for s in seqs if not s.is_finished]:
             if seq.status is SeqStatus.RUNNING:
                 self.allocator.free(seq.seq_id)
@@ -214,8 +240,13 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """Decides the next step (see the module docstring for the policy)."""
-        if self._pending is not None:
-            raise RuntimeError("schedule() called again before update() of the previous step")
+        if self._pending is not None or self._before is not None:
+            raise RuntimeError(
+                "schedule() called again before update() or rollback() of the previous step "
+                "(an update() that raised needs rollback())"
+            )
+        self._before = self._save_state()
+        self._between = []
         cfg = self.config
         chunked = cfg.enable_chunked_prefill
         cap = cfg.long_prefill_threshold or cfg.max_num_batched_tokens
@@ -406,7 +437,74 @@ class Scheduler:
                         request_finished=target.request_id not in self._requests,
                     )
                 )
+        self._before, self._between = None, []  # committed: nothing to roll back to
         return outputs
+
+    # --------------------------------------------------------------------------- rollback
+
+    def rollback(self) -> None:
+        """Undoes the pending `schedule()` and whatever of its `update()` ran: the queues, the
+        sequences and the allocator return to their state before `schedule()`, the preemption
+        count included; requests added or aborted since stay added or aborted. For a step that
+        failed; the next `schedule()` may run at once.
+
+        The K/V a failed step wrote stay on the device; the caller decides what they spoil
+        (blocks the step wrote: `Schedule` lists them, see the engine).
+        """
+        if self._before is None:
+            raise RuntimeError("rollback() needs a pending schedule()")
+        st, self._before, self._pending = self._before, None, None
+        self._waiting = collections.deque(st.waiting)
+        self._running = list(st.running)
+        self._seqs = dict(st.seqs)
+        self._requests = {r: list(s) for r, s in st.requests.items()}
+        self._seq_ids = dict(st.seq_ids)
+        self.num_preemptions = st.num_preemptions
+        for seq, num_computed, status, reason, prefill_end, forked, length in st.fields:
+            seq.num_computed, seq.status, seq.finish_reason = num_computed, status, reason
+            seq.prefill_end, seq.forked = prefill_end, forked
+            del seq.token_ids[length:]  # a step only appends tokens
+        self.allocator.restore_state(st.allocator)
+        between, self._between = self._between, []
+        for call in between:  # requests added or aborted while the step was pending
+            if call[0] == "add":
+                self._queue(call[1], call[2])
+            else:
+                self.abort(call[1])
+
+    def _save_state(self) -> _SchedulerState:
+        # O(sequences + blocks): token lists are kept by length (a step only appends to them).
+        return _SchedulerState(
+            waiting=list(self._waiting),
+            running=list(self._running),
+            seqs=dict(self._seqs),
+            requests={r: list(s) for r, s in self._requests.items()},
+            seq_ids=dict(self._seq_ids),
+            num_preemptions=self.num_preemptions,
+            fields=[
+                (
+                    s,
+                    s.num_computed,
+                    s.status,
+                    s.finish_reason,
+                    s.prefill_end,
+                    s.forked,
+                    len(s.token_ids),
+                )
+                for s in self._seqs.values()
+            ],  # fmt: skip
+            allocator=self.allocator.save_state(),
+        )
+
+    def preempt(self, seq_id: int) -> None:
+        """Preempts a running sequence by recompute (its blocks are freed; it waits at the front
+        of the queue to recompute its prompt and generated tokens). Not while a step is pending.
+        """
+        if self._before is not None:
+            raise RuntimeError("preempt() between schedule() and update()")
+        if not self._is_live(seq_id):
+            raise ValueError(f"sequence {seq_id!r} is not running")
+        self._preempt(self._seqs[seq_id])
 
     def _is_live(self, seq_id: int) -> bool:
         seq = self._seqs.get(seq_id)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -259,7 +260,9 @@ def _dense(t, cfg: ModelConfig, arch: str, key: tuple) -> np.ndarray:
     return arr.T if leaf in (*_LINEARS, "lm_head") else arr
 
 
-def load_gguf(path: str, dtype=None, keep_quantized: bool = False) -> tuple[ModelConfig, dict]:
+def load_gguf(
+    path: str, dtype=None, keep_quantized: bool = False, *, check_finite: bool = True
+) -> tuple[ModelConfig, dict]:
     """Loads a `llama` or `qwen2` GGUF file.
 
     Args:
@@ -267,6 +270,8 @@ def load_gguf(path: str, dtype=None, keep_quantized: bool = False) -> tuple[Mode
       dtype: parameter dtype (e.g. jnp.float32); default float32.
       keep_quantized: keep Q4_0 / Q4_1 / Q8_0 linears (and a tied head) in jaxinfer's int4 /
         int8 formats as stored, instead of dequantizing them.
+      check_finite: refuse a tensor that holds a NaN or Inf (after the cast to `dtype`; a kept
+        weight's scales and offsets), naming it; False loads it anyway.
 
     Returns:
       (cfg, params). Raises ValueError for a non-GGUF or truncated file, an unsupported
@@ -319,4 +324,12 @@ def load_gguf(path: str, dtype=None, keep_quantized: bool = False) -> tuple[Mode
         qhead = stacked_quantized([head], dt, None, stacked=False)
         if qhead is not None:
             params["lm_head"] = qhead
+    if check_finite:
+        from jaxinfer import tensor_checks
+
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        named = [
+            (jax.tree_util.keystr(p), a) for p, a in leaves if jnp.issubdtype(a.dtype, jnp.floating)
+        ]
+        tensor_checks.check_finite(named, path)
     return cfg, params

@@ -23,7 +23,7 @@ from jaxinfer.ops.linear import linear
 def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto") -> jax.Array:
     """Residual MLP sub-block: `x [..., E]` -> `x + mlp(norm(x))`."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], backend)
+    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], backend, cfg.hidden_act)
 
 
 def logits_from_hidden(

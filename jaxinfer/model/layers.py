@@ -1,7 +1,8 @@
-"""The layer functions shared by the paged and the dense forward: RMSNorm, RoPE, SwiGLU."""
+"""The layer functions shared by the paged and the dense forward: RMSNorm, RoPE, the gated MLP."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -56,8 +57,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def swiglu(x: jax.Array, w_gate, w_up, w_down, backend: str = "auto") -> jax.Array:
-    """The Llama MLP: down(silu(gate(x)) * up(x)); `[..., E] -> [..., E]`."""
-    gate = linear(x, w_gate, backend=backend)
-    up = linear(x, w_up, backend=backend)
-    return linear(jax.nn.silu(gate) * up, w_down, backend=backend)
+# cfg.hidden_act -> the gate activation, as transformers' ACT2FN computes it (keys: HIDDEN_ACTS).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # exact: x·Φ(x) through erf
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),  # the tanh approximation
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def swiglu(
+    x: jax.Array, w_gate, w_up, w_down, backend: str = "auto", act: str = "silu"
+) -> jax.Array:
+    """The gated MLP: down(act(gate(x)) * up(x)); `[..., E] -> [..., E]`.
+
+    `act` is `cfg.hidden_act`: SiLU makes it Llama's SwiGLU, GELU the GeGLU of GELU checkpoints.
+    """
+    gate = linear(x, w_gate, backend=backend)  # [..., F]
+    up = linear(x, w_up, backend=backend)  # [..., F]
+    return linear(ACTIVATIONS[act](gate) * up, w_down, backend=backend)

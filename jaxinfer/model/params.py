@@ -87,7 +87,10 @@ def check_params(cfg: ModelConfig, params) -> None:
     pair fails deep inside a trace with a reshape or scan error. Takes the stored form and
     `inference_layout`'s. Dense leaves must match `param_shapes(cfg)`; a quantized weight must
     have the `(in, out)` and the leading axes of the dense leaf it replaces. A tied model may
-    carry its own `lm_head` (a quantized head, or the inference layout's copy).
+    carry its own `lm_head` (a quantized head, or the inference layout's copy). A dense leaf must
+    also have `cfg.dtype`: bf16 params against a float32 config are refused, not converted (the
+    conversion would copy the whole model at every call, and the config decides the activation
+    and cache dtypes, so running the params' own dtype would contradict it).
     """
     if not isinstance(params, dict) or not isinstance(params.get("layers"), dict | tuple | list):
         raise ValueError(
@@ -105,15 +108,16 @@ def check_params(cfg: ModelConfig, params) -> None:
 
     for key, spec in want.items():
         if key != "layers":
-            _check_leaf(key, spec.shape, params[key])
+            _check_leaf(key, spec, params[key])
     for key, spec in want["layers"].items():
         if unrolled:
             for i, layer in enumerate(layers):
-                _check_leaf(f"layers[{i}]/{key}", spec.shape[1:], layer[key])
+                _check_leaf(f"layers[{i}]/{key}", spec, layer[key], unstacked=True)
         else:
-            _check_leaf(f"layers/{key}", spec.shape, layers[key])
+            _check_leaf(f"layers/{key}", spec, layers[key])
     if "lm_head" in params and "lm_head" not in want:
-        _check_leaf("lm_head", (cfg.hidden_size, cfg.vocab_size), params["lm_head"])
+        head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
+        _check_leaf("lm_head", head, params["lm_head"])
 
 
 def _check_keys(got: set, expected: set, extra_ok: set, where: str) -> None:
@@ -123,8 +127,8 @@ def _check_keys(got: set, expected: set, extra_ok: set, where: str) -> None:
         )
 
 
-def _check_leaf(name: str, expected: tuple, leaf) -> None:
-    expected = tuple(expected)
+def _check_leaf(name: str, spec: jax.ShapeDtypeStruct, leaf, unstacked: bool = False) -> None:
+    expected = tuple(spec.shape[1:] if unstacked else spec.shape)
     if is_quantized(leaf):
         lead, inner = expected[:-2], expected[-2:]
         if tuple(leaf.shape) != inner or leaf.lead_shape != lead:
@@ -135,6 +139,13 @@ def _check_leaf(name: str, expected: tuple, leaf) -> None:
     elif not hasattr(leaf, "shape") or tuple(leaf.shape) != expected:
         got = tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__
         raise ValueError(f"shape mismatch at {name}: {got}; the model config implies {expected}")
+    elif leaf.dtype != spec.dtype:
+        want = jnp.dtype(spec.dtype).name
+        raise ValueError(
+            f"dtype mismatch at {name}: {jnp.dtype(leaf.dtype).name}; the model config says "
+            f"dtype={want!r}. Convert deliberately, e.g. jax.tree.map(lambda a: a.astype("
+            f"cfg.jnp_dtype), params) for dense params, or use cfg.replace(dtype=...)"
+        )
 
 
 @functools.lru_cache(maxsize=64)

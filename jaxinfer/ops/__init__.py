@@ -8,13 +8,14 @@ from jaxinfer.ops.attention import (
     paged_attention,
     paged_attention_reference,
 )
-from jaxinfer.ops.backend import BACKENDS, resolve_backend
+from jaxinfer.ops.backend import BACKENDS, lowering_for_gpu, resolve_backend
 from jaxinfer.ops.linear import linear
 
 __all__ = [
     "BACKENDS",
     "dense_causal_attention",
     "linear",
+    "lowering_for_gpu",
     "paged_attention",
     "paged_attention_reference",
     "resolve_backend",

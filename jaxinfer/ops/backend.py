@@ -8,9 +8,27 @@ layers, so no layer reads the platform inside a trace.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas-interpret")
+
+
+# Set only while tracing for a GPU lowering on a machine without one (kernel_compile_check).
+_GPU_LOWERING = contextvars.ContextVar("jaxinfer_gpu_lowering", default=False)
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Lets `backend="pallas"` trace on a CPU host, for code lowered with `lowering_platforms`
+    `("cuda",)` and never run here (experiments/kernel_compile_check.py)."""
+    token = _GPU_LOWERING.set(True)
+    try:
+        yield
+    finally:
+        _GPU_LOWERING.reset(token)
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -22,12 +40,22 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
     Returns:
       A concrete backend (never "auto").
+
+    Raises:
+      ValueError: for an unknown name, and for "pallas" on a CPU: the compiled kernels need a GPU
+        (JAX would otherwise fail inside the lowering with an internal message).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    platform = platform or jax.default_backend()
     if backend == "auto":
-        platform = platform or jax.default_backend()
         return "pallas" if platform == "gpu" else "xla"
+    if backend == "pallas" and platform == "cpu" and not _GPU_LOWERING.get():
+        raise ValueError(
+            'backend="pallas" runs the compiled Pallas kernels, which need a GPU, and this JAX '
+            'runs on a CPU; use backend="pallas-interpret" to run the same kernels on a CPU '
+            '(slow, for tests), or "xla" / "auto" for the fast CPU path'
+        )
     return backend
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.model.params import check_params
 from jaxinfer.qtensor import Int4Weight, Int8Weight
@@ -144,40 +145,89 @@ def read_metadata(path: str) -> dict:
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"no quantized artifact at {path}")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-        meta = ckpt.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a jaxinfer quantized artifact (format {meta.get('format')!r})"
+    if not os.path.isdir(os.path.join(path, "meta")):
+        hint = (
+            " (it holds config.json: an HF checkpoint, loaded with ji.load_checkpoint)"
+            if os.path.exists(os.path.join(path, "config.json"))
+            else ""
         )
+        raise ValueError(
+            f"{path} is not a jaxinfer quantized artifact: it has no 'meta' item{hint}; "
+            "artifacts are written by jaxinfer.quant.save"
+        )
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+            meta = ckpt.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # orbax and json raise many kinds; none names the artifact
+        raise ValueError(
+            f"{path} is not a jaxinfer quantized artifact: its metadata does not read "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        ) from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path} is not a jaxinfer quantized artifact (format {got!r})")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
             f"{path} has artifact format version {version!r}; this jaxinfer reads version "
             f"{FORMAT_VERSION}. Re-run experiments/quantize.py to rebuild it."
         )
+    for key in ("model_config", "quant_config", "tree"):
+        if not isinstance(meta.get(key), dict):
+            raise ValueError(f"the metadata of artifact {path} has no {key!r}: it is corrupt")
     return meta
 
 
-def load(path: str) -> tuple[ModelConfig, dict, QuantConfig]:
+def _restore_arrays(path: str, abstract: dict) -> dict:
+    """Restores the "arrays" item; a failure is named by the first array that does not read."""
+    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+            return ckpt.restore(path, args)["arrays"]
+    except Exception as e:  # TensorStore's dump names no array; find them one by one
+        error = e
+    bad = []
+    for name in sorted(abstract):
+        one = ocp.args.PyTreeRestore({name: abstract[name]}, partial_restore=True)
+        try:
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+                ckpt.restore(path, ocp.args.Composite(arrays=one))
+        except Exception:
+            bad.append(name)
+    first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    if not bad:
+        raise ValueError(f"the arrays of artifact {path} do not read: {first}") from error
+    more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])})" if len(bad) > 1 else ""
+    raise ValueError(
+        f"array {bad[0]} of artifact {path} is truncated or corrupt{more}: {first}"
+    ) from error
+
+
+def load(path: str, *, check_finite: bool = True) -> tuple[ModelConfig, dict, QuantConfig]:
     """Reads a quantized artifact written by `save`.
 
     Args:
       path: the artifact directory.
+      check_finite: refuse an artifact whose float arrays (scales, embeddings, norms, dense
+        weights) hold a NaN or Inf, naming the first; False loads it anyway.
 
     Returns:
-      (cfg, qparams, qcfg). Raises ValueError for a missing directory, another format, a format
-      version mismatch or arrays whose shapes disagree with the stored model config.
+      (cfg, qparams, qcfg). Raises ValueError for a missing directory, a directory that is not an
+      artifact, another format, a format version mismatch, a truncated or corrupt array (named),
+      non-finite values, or arrays whose shapes disagree with the stored model config.
     """
     meta = read_metadata(path)
-    cfg = model_config_from_dict(meta["model_config"])
-    qcfg = QuantConfig.from_dict(meta["quant_config"])
+    path = os.path.abspath(path)
+    try:
+        cfg = model_config_from_dict(meta["model_config"])
+        qcfg = QuantConfig.from_dict(meta["quant_config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"artifact {path}: {e}") from e
     abstract: dict = {}
     _abstract(meta["tree"], abstract)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-        restored = ckpt.restore(
-            os.path.abspath(path), ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
-        )["arrays"]
+    restored = _restore_arrays(path, abstract)
+    if check_finite:  # one jitted reduction over the restored arrays
+        tensor_checks.check_finite({n: restored[n] for n in sorted(restored)}, f"artifact {path}")
     params = _decode(meta["tree"], restored)
     check_params(cfg, params)
     return cfg, params, qcfg

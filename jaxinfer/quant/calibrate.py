@@ -86,9 +86,9 @@ class QuantConfig:
 
     method: str = "rtn"  # "rtn" | "gptq" | "awq" | "smoothquant"
     bits: int = 4  # 2, 3, 4 (Int4Weight); 8: rtn -> W8A16, smoothquant -> W8A8 (its only choice)
-    group_size: int | None = 128  # G, a multiple of 8; None: per output channel (G = in)
+    group_size: int | None = 128  # G, a multiple of 8; None (or -1, stored as None): G = in
     sym: bool = False  # symmetric grids (fixed zero point 2**(bits-1))
-    damp: float = 0.01  # GPTQ: dampening, fraction of mean(diag H) (the paper's 1%)
+    damp: float = 0.01  # GPTQ: dampening in [0, 1], fraction of mean(diag H) (the paper's 1%)
     act_order: bool = False  # GPTQ: sweep inputs by decreasing diag(H)
     static_groups: bool = True  # GPTQ act order: grids from the original weights, no perm
     blocksize: int = 128  # GPTQ: rows per lazy-update block
@@ -104,25 +104,62 @@ class QuantConfig:
     batch_size: int = 8  # calibration sequences per jitted statistics call
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        # Every field is checked for its kind and range: QuantConfig is the boundary of all
+        # calibration code, and a wrong kind (blocksize=2.5, sym="no") would otherwise run.
+        # numpy scalars of the right kind are accepted and stored as Python values (hashable,
+        # JSON-serialisable).
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        def as_int(name, lo):
+            v = getattr(self, name)
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < lo:
+                raise ValueError(f"{name}={v!r}; expected an integer >= {lo}")
+            put(name, int(v))
+
+        def as_float(name, lo, hi):
+            v = getattr(self, name)
+            ok = isinstance(v, int | float | np.integer | np.floating) and not isinstance(
+                v, bool | np.bool_
+            )
+            if not ok or not lo <= float(v) <= hi:  # NaN fails the comparison
+                raise ValueError(f"{name}={v!r}; expected a number in [{lo}, {hi}]")
+            put(name, float(v))
+
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; expected one of {METHODS}")
+        for name in (
+            "sym",
+            "act_order",
+            "static_groups",
+            "true_sequential",
+            "awq_clip",
+            "quantize_lm_head",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, bool | np.bool_):
+                raise ValueError(f"{name}={v!r}; expected a bool")
+            put(name, bool(v))
+        as_int("bits", 1)
         if self.bits not in _BITS[self.method]:
             raise ValueError(
                 f"bits={self.bits!r} is not supported by {self.method}; expected one of "
                 f"{_BITS[self.method]}"
             )
         g = self.group_size
-        if g is not None and (not isinstance(g, int) or g < 8 or g % 8):
-            raise ValueError(f"group_size={g!r}; expected None (per channel) or a multiple of 8")
-        if not self.damp >= 0:
-            raise ValueError(f"damp={self.damp!r}; expected >= 0")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha={self.alpha!r}; expected a migration strength in [0, 1]")
-        if not isinstance(self.true_sequential, bool):
-            raise ValueError(f"true_sequential={self.true_sequential!r}; expected a bool")
+        is_int = isinstance(g, int | np.integer) and not isinstance(g, bool | np.bool_)
+        if is_int and g == -1:
+            put("group_size", None)  # AutoGPTQ / GPTQModel / AWQ spell per channel -1
+        elif g is not None:
+            if not is_int or g < 8 or g % 8:
+                raise ValueError(
+                    f"group_size={g!r}; expected None or -1 (per channel) or a multiple of 8"
+                )
+            put("group_size", int(g))
+        as_float("damp", 0.0, 1.0)  # a fraction of mean(diag H), as AutoGPTQ's damp_percent
+        as_float("alpha", 0.0, 1.0)  # SmoothQuant's migration strength
         for name in ("blocksize", "awq_grid", "awq_max_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}; expected >= 1")
+            as_int(name, 1)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -118,6 +118,7 @@ class AllocatorModel:
             assert a.num_tokens(sid) == len(toks) and len(table) == -(-len(toks) // S)
             got = [int(self.kv[table[p // S], p % S]) for p in range(self.computed[sid])]
             assert got == [kv_value(toks[: p + 1]) for p in range(self.computed[sid])], sid
+        a.check_invariants()
 
     def drain(self) -> None:
         for sid in list(self.tokens):
@@ -490,3 +491,87 @@ def test_usage_matches_a_walk_of_every_table(caching, monkeypatch):
     monkeypatch.setattr(AllocatorModel, "check", check_with_usage)
     _random_run(0, caching, None, n_ops=600)
     assert any(shared_partial)  # the run reached the case a per-table sum would double count
+
+
+def _random_mutations(a: BlockAllocator, rng, n_ops: int, next_id: int) -> None:
+    """n_ops random allocator mutations, as a scheduler step makes them (no bookkeeping)."""
+    for _ in range(n_ops):
+        live = a.seq_ids()
+        sid = live[rng.integers(len(live))] if live else None
+        op = rng.choice(["allocate", "append", "compute", "fork", "free", "reset"])
+        try:
+            if op == "allocate":
+                a.allocate(next_id, rng.integers(0, 3, rng.integers(1, 12)).tolist())
+                next_id += 1
+            elif op == "reset":
+                a.reset_prefix_cache()
+            elif sid is None:
+                continue
+            elif op == "append":
+                a.append_slots(sid, rng.integers(0, 3, rng.integers(1, 4)).tolist())
+            elif op == "compute":
+                a.mark_computed(sid, int(rng.integers(0, a.num_tokens(sid) + 1)))
+            elif op == "fork":
+                a.fork(sid, next_id)
+                next_id += 1
+            elif op == "free":
+                a.free(sid)
+        except NoFreeBlocksError:
+            pass
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_restore_state_undoes_any_mutations_exactly(caching):
+    """save_state / restore_state (the engine's undo of a failed step) is exact."""
+    m = _random_run(0, caching, None, n_ops=300)
+    a, rng = m.alloc, np.random.default_rng(1)
+    for trial in range(200):
+        before = a.snapshot()
+        state = a.save_state()
+        _random_mutations(a, rng, int(rng.integers(1, 12)), 10_000 + 100 * trial)
+        a.restore_state(state)
+        assert a.snapshot() == before, trial
+        a.check_invariants()
+    m.check()  # the model's K/V still read back through the restored tables
+
+
+def test_invalidate_forgets_lost_blocks_and_their_descendants():
+    a = BlockAllocator(10, 2, True)
+    a.allocate(0, [1, 2, 3, 4, 5, 6, 7])
+    a.mark_computed(0, 6)
+    root, mid, leaf = a.block_table(0)[:3]
+    assert all(a.is_cached(b) for b in (root, mid, leaf))
+    with pytest.raises(ValueError, match="held"):
+        a.invalidate([mid])
+    a.free(0)
+    a.invalidate([mid])
+    assert a.is_cached(root) and not a.is_cached(mid) and not a.is_cached(leaf)
+    assert a.match_prefix([1, 2, 3, 4, 5, 6, 7]) == [root]
+    a.check_invariants()
+
+
+def test_check_invariants_catches_corruption():
+    """A negative control: the checker fails on each kind of broken bookkeeping."""
+
+    def fresh():
+        a = BlockAllocator(8, 2, True)
+        a.allocate(0, [1, 2, 3, 4, 5])
+        a.mark_computed(0, 4)
+        a.fork(0, 1)
+        a.check_invariants()
+        return a
+
+    corruptions = [
+        lambda a: a._refcount.__setitem__(a.block_table(0)[0], 1),
+        lambda a: a._free.append(a.block_table(0)[0]),
+        lambda a: a._free.popleft(),
+        lambda a: a._tables[0].append(0),
+        lambda a: a._num_slots.__setitem__(1, 9),
+        lambda a: a._hash_to_block.clear(),
+        lambda a: a._evictable.__setitem__(a._free[0], None),
+    ]
+    for corrupt in corruptions:
+        a = fresh()
+        corrupt(a)
+        with pytest.raises(AssertionError):
+            a.check_invariants()

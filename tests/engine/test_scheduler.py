@@ -133,7 +133,53 @@ def _state(sched: Scheduler, rid) -> str:
     return "waiting"
 
 
-def simulate(budget: int, chunked: bool, caching: bool, seed: int):
+def _signature(sched: Scheduler):
+    """Everything rollback must restore, as plain values."""
+    seqs = sorted(
+        (s.seq_id, s.num_computed, s.status, s.finish_reason, s.prefill_end, s.forked,
+         tuple(s.token_ids))
+        for s in sched._seqs.values()
+    )  # fmt: skip
+    return (
+        [s.seq_id for s in sched.waiting],
+        [s.seq_id for s in sched.running],
+        seqs,
+        {r: [s.seq_id for s in v] for r, v in sched._requests.items()},
+        dict(sched._seq_ids),
+        sched.num_preemptions,
+        sched.allocator.snapshot(),
+    )
+
+
+def _failed_step(sched: Scheduler, rng) -> None:
+    """A step that fails after schedule(): before the device, or inside update() after its
+    k-th mark_computed; rollback must restore the state exactly."""
+    before = _signature(sched)
+    sc = sched.schedule()
+    if rng.random() < 0.5 and sc.seqs:
+        calls = [0]
+        fail_at = int(rng.integers(1, len(sc.seqs) + 1))
+        real = sched.allocator.mark_computed
+
+        def failing(*args):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected")
+            real(*args)
+
+        sched.allocator.mark_computed = failing
+        sampled = {sid: [0] for s in sc.seqs for sid in s.sample_seq_ids}
+        try:
+            sched.update(sc, sampled)
+        except RuntimeError:
+            pass
+        finally:
+            del sched.allocator.mark_computed
+    sched.rollback()
+    assert _signature(sched) == before
+
+
+def simulate(budget: int, chunked: bool, caching: bool, seed: int, fail_p: float = 0.0):
     S = 4
     # Longest request: P + M <= max_len (and P + M - 1 <= budget for whole prompts). The pool
     # holds the longest request plus two blocks, so that concurrent requests must preempt.
@@ -209,6 +255,8 @@ def simulate(budget: int, chunked: bool, caching: bool, seed: int):
             step = arrivals[0][0]
             continue
         maybe_abort(0.05)
+        if rng.random() < fail_p:
+            _failed_step(sched, rng)
         sc = sched.schedule()
         check_schedule(sched, sc, cfg)
         maybe_abort(0.02)  # between the schedule and its update
@@ -262,6 +310,31 @@ def test_random_simulation(budget, chunked, caching):
         assert totals["preemptions"] > 0
         assert set(abort_states) == {"waiting", "prefill", "decode", "preempted"}, abort_states
     assert (totals["queries"] > 0) == caching
+
+
+@pytest.mark.parametrize("budget,chunked,caching", [(7, True, True), (256, False, True)])
+def test_rollback_restores_the_state_before_schedule(budget, chunked, caching):
+    """Issue 15 cause 1 (the scheduler part): a step failing anywhere after schedule() is undone
+    exactly by rollback(), and the run then gives exactly the reference outputs."""
+    for seed in range(2):
+        sched, alloc, *_ = simulate(budget, chunked, caching, seed=seed, fail_p=0.2)
+        assert sched.num_preemptions > 0
+
+
+def test_rollback_keeps_requests_added_or_aborted_while_pending():
+    sched, alloc, dev = _setup(12, 2, max_num_seqs=4, max_num_batched_tokens=64, caching=True)
+    _add(sched, dev, "a", [1, 2, 3], max_tokens=4)
+    _run_step(sched, dev)
+    sched.schedule()
+    _add(sched, dev, "b", [4, 5], max_tokens=2)
+    assert sched.abort("a")
+    sched.rollback()
+    assert [s.request_id for s in sched.waiting] == ["b"] and not sched.running
+    assert sched.sequences("a") == [] and alloc.num_used_blocks == 0
+    with pytest.raises(RuntimeError, match="pending"):
+        sched.rollback()
+    _run_step(sched, dev)
+    assert [s.request_id for s in sched.running] == ["b"]
 
 
 # ------------------------------------------------------------------- deterministic policy
@@ -464,7 +537,7 @@ def test_scheduler_config_validation(kwargs, match):
     "prompt,params,match",
     [
         ([], Params(1), "empty"),
-        ([1, -2], Params(1), "ints >= 0"),
+        ([1, -2], Params(1), r"ints in \[0, 2\*\*31 - 1\]"),
         ("abc", Params(1), "sequence of ints"),
         ([1], Params(0), "max_tokens"),
         ([1], Params(1, n=0), "n must be"),

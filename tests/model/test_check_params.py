@@ -1,5 +1,6 @@
 """check_params: (cfg, params) pairs that disagree are refused at every entry point, by name."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,3 +103,37 @@ def test_positions_beyond_the_model_are_refused_for_calibration(params):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ji.quant.quantize(CFG, params, ji.quant.QuantConfig(), tokens)
     assert jnp.asarray(params["embed"]).shape[0] == CFG.vocab_size
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (
+            lambda p: {
+                **p,
+                "layers": {**p["layers"], "wq": p["layers"]["wq"].astype(jnp.bfloat16)},
+            },
+            r"dtype mismatch at layers/wq: bfloat16; the model config says dtype='float32'",
+        ),
+        (
+            lambda p: {**p, "embed": p["embed"].astype(jnp.int32)},
+            r"dtype mismatch at embed: int32",
+        ),
+        (
+            lambda p: ji.inference_layout({**p, "final_norm": p["final_norm"].astype(jnp.float16)}),
+            r"dtype mismatch at final_norm: float16",
+        ),
+    ],
+)
+def test_dtype_disagreeing_with_cfg_is_refused_by_leaf(params, mutate, match):
+    """Issue 15, cause 7: bf16 params against a float32 config ran silently.
+
+    Refused rather than converted: the config decides the activation and cache dtypes, and a
+    conversion at every entry point would copy the whole model at every call.
+    """
+    with pytest.raises(ValueError, match=match):
+        check_params(CFG, mutate(params))
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    check_params(CFG.replace(dtype="bfloat16"), bf16)  # converted deliberately: accepted
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        ji.score(CFG, bf16, [[1, 2]])

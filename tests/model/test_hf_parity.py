@@ -6,6 +6,9 @@ and an MQA Llama with linear rope scaling. The jaxinfer params are saved as an H
 loaded by transformers, which also checks that saved checkpoints load there.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -81,3 +84,31 @@ def test_save_load_roundtrip_identical(family, tmp_path):
     np.testing.assert_array_equal(
         np.asarray(ji.score(cfg, params, tokens)), np.asarray(ji.score(cfg2, params2, tokens))
     )
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "gelu_new", "silu"])
+def test_hidden_act_parity(act, tmp_path):
+    """Issue 15, cause 8: a `hidden_act: gelu` Llama checkpoint silently computed SiLU."""
+    cfg = ji.preset("tiny-llama")
+    params = random_params(cfg, seed=11)
+    path = str(tmp_path / act)
+    ji.save_checkpoint(path, cfg, params)
+    config = os.path.join(path, "config.json")
+    with open(config) as f:
+        hf_cfg = json.load(f)
+    hf_cfg["hidden_act"] = act  # as a GELU checkpoint's config.json says it
+    with open(config, "w") as f:
+        json.dump(hf_cfg, f)
+    cfg2, params2 = ji.load_checkpoint(path)
+    assert cfg2.hidden_act == act
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    tokens = np.random.RandomState(3).randint(0, cfg.vocab_size, (2, 40))
+    ours = np.asarray(ji.score(cfg2, params2, tokens))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    # The activations differ enough that the test can fail: SiLU logits are far from GELU's.
+    silu = np.asarray(ji.score(cfg, params, tokens))
+    assert act == "silu" or np.abs(silu - theirs).max() > 1e-2

@@ -126,3 +126,63 @@ def test_artifact_without_true_sequential_loads_as_non_sequential(tmp_path, quan
     assert qcfg_old == dataclasses.replace(qcfg, true_sequential=False)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- issue 15: hardening
+
+
+def test_directory_that_is_not_an_artifact(tmp_path, quantized):
+    """Cause 11: orbax's `KeyError: Item "meta" was not found` named nothing jaxinfer knows."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="is not a jaxinfer quantized artifact"):
+        artifact.load(str(empty))
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a jaxinfer quantized artifact.*ji.load_checkpoint"):
+        artifact.load(str(hf_dir))
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    with open(os.path.join(path, "meta", "metadata"), "w") as f:
+        f.write('{"format": "jaxinfer-qu')  # a truncated metadata file
+    with pytest.raises(ValueError, match="is not a jaxinfer quantized artifact"):
+        artifact.load(path)
+
+
+def test_truncated_array_is_named(tmp_path, quantized):
+    """Cause 11: a truncated array surfaced as a 21-frame TensorStore dump naming no array."""
+    qparams, qcfg = quantized
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, qparams, qcfg)
+    data = [
+        os.path.join(root, f)
+        for root, _, files in os.walk(os.path.join(path, "arrays"))
+        if os.path.basename(root) == "d"
+        for f in files
+    ]
+    victim = max(data, key=os.path.getsize)  # the data file holding the largest arrays
+    with open(victim, "rb") as f:
+        blob = f.read()
+    with open(victim, "wb") as f:
+        f.write(blob[: len(blob) // 2])
+    with pytest.raises(
+        ValueError,
+        match=r"array (embed|lm_head|layers__\w+) of artifact .* is truncated or corrupt",
+    ):
+        artifact.load(path)
+
+
+def test_non_finite_artifact_is_refused_by_name(tmp_path, quantized):
+    """Cause 6, for quantized artifacts: a NaN scale loads and generates garbage."""
+    qparams, qcfg = quantized
+    layers = dict(qparams["layers"])
+    wq = layers["wq"]
+    layers["wq"] = dataclasses.replace(wq, scales=wq.scales.at[1, 0, 3].set(jnp.nan))
+    path = os.path.join(tmp_path, "art")
+    artifact.save(path, CFG, dict(qparams, layers=layers), qcfg)
+    with pytest.raises(ValueError, match=r"non-finite.*layers__wq__scales \(1 NaN/Inf"):
+        artifact.load(path)
+    _, loaded, _ = artifact.load(path, check_finite=False)
+    assert np.isnan(np.asarray(loaded["layers"]["wq"].scales, np.float32)).sum() == 1

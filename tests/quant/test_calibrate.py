@@ -178,3 +178,46 @@ def test_singular_hessian_names_layer_and_linear(model):
     q = QuantConfig("gptq", bits=4, group_size=16, damp=0.0)
     with pytest.raises(ValueError, match="layer 0 wq: the Hessian is singular"):
         quantize(cfg, params, q, calib[:1, :4])  # 4 tokens: rank(XᵀX) <= 4 < 32
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(blocksize=2.5), r"blocksize=2.5; expected an integer >= 1"),
+        (dict(blocksize=0), r"blocksize=0"),
+        (dict(blocksize=True), r"blocksize=True"),
+        (dict(bits=4.0), r"bits=4.0; expected an integer"),
+        (dict(group_size=16.0), r"group_size=16.0"),
+        (dict(group_size=True), r"group_size=True"),
+        (dict(group_size=-2), r"group_size=-2"),
+        (dict(sym="no"), r"sym='no'; expected a bool"),
+        (dict(act_order=1), r"act_order=1; expected a bool"),
+        (dict(static_groups=None), r"static_groups=None"),
+        (dict(awq_clip=0), r"awq_clip=0"),
+        (dict(quantize_lm_head="yes"), r"quantize_lm_head='yes'"),
+        (dict(damp=-0.01), r"damp=-0.01; expected a number in \[0.0, 1.0\]"),
+        (dict(damp=1.5), r"damp=1.5"),
+        (dict(damp=float("nan")), r"damp=nan"),
+        (dict(damp="0.01"), r"damp='0.01'"),
+        (dict(alpha=float("inf")), r"alpha=inf"),
+        (dict(awq_grid=2.0), r"awq_grid=2.0"),
+        (dict(awq_max_tokens=-1), r"awq_max_tokens=-1"),
+        (dict(batch_size=0.5), r"batch_size=0.5"),
+        (dict(method=["rtn"]), r"method=\['rtn'\]"),
+    ],
+)
+def test_quant_config_validates_every_field(kwargs, match):
+    """Issue 15, cause 12: QuantConfig(blocksize=2.5) was accepted and ran."""
+    with pytest.raises(ValueError, match=match):
+        QuantConfig(**kwargs)
+
+
+def test_quant_config_group_size_minus_one_is_per_channel():
+    """AutoGPTQ, GPTQModel and AWQ spell per channel group_size=-1; it means None here."""
+    q = QuantConfig("gptq", bits=4, group_size=-1)
+    assert q.group_size is None and q == QuantConfig("gptq", bits=4, group_size=None)
+    assert QuantConfig(group_size=np.int64(-1)).group_size is None
+    q = QuantConfig(bits=np.int32(4), group_size=np.int64(32), damp=np.float32(0.05), sym=np.True_)
+    assert (type(q.bits), type(q.group_size), type(q.damp), type(q.sym)) == (int, int, float, bool)
+    assert QuantConfig.from_dict(q.to_dict()) == q
+    hash(q)

@@ -1,0 +1,217 @@
+"""The OpenAI request bodies as strict pydantic models, and their mapping to `SamplingParams`.
+
+Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
+an int belongs, or a bool where a number belongs is a 400 naming the field; unknown fields are
+ignored (clients send vendor extras). Known fields the engine does not implement (penalties,
+`logit_bias`, `best_of`, `suffix`, tools) are accepted only at their neutral value.
+
+Errors are raised as `APIError(status, message, param)` and rendered in the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}` by the app.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.sampling import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
+
+
+class APIError(Exception):
+    """An error response: HTTP status, message, the offending request field (or None)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        if self.status == 404:
+            return "NotFoundError"
+        if self.status == 503:
+            return "ServiceUnavailableError"
+        if self.status >= 500:
+            return "InternalServerError"
+        return "BadRequestError" if self.status == 400 else "InvalidRequestError"
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; -1 or 0: off
+    min_p: float | None = None  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Known, accepted only at their neutral value.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Messages are template input: extra keys (name, tool_calls, ...) pass through to it.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+def _check_neutral(req: _Sampling) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and v != 0:
+            raise _bad(name, f"{v!r} is not supported by this server (only 0)")
+    if req.repetition_penalty is not None and req.repetition_penalty != 1:
+        raise _bad("repetition_penalty", "not supported by this server (only 1)")
+    if req.logit_bias:
+        raise _bad("logit_bias", "not supported by this server")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _bad("best_of", "only best_of = n is supported")
+
+
+def stop_strings(req: _Sampling) -> list[str]:
+    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
+    if any(s == "" for s in stop):
+        raise _bad("stop", "stop strings must be non-empty")
+    return list(stop)
+
+
+def sampling_params(
+    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
+) -> SamplingParams:
+    """The engine's SamplingParams of a request; raises APIError(400) naming the bad field.
+
+    Args:
+      req: the parsed request.
+      max_tokens: the resolved token limit (the request's, or the default).
+      logprobs: None, or how many top alternatives per token to return.
+      max_n: the most parallel samples the engine runs (its max_num_seqs).
+    """
+    _check_neutral(req)
+    t = 1.0 if req.temperature is None else req.temperature
+    if not math.isfinite(t) or t < 0:
+        raise _bad("temperature", f"{t!r} must be a finite number >= 0")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0 < top_p <= 1:
+        raise _bad("top_p", f"{top_p!r} must be in (0, 1]")
+    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
+    if top_k < 0:
+        raise _bad("top_k", f"{req.top_k!r} must be -1 or 0 (off) or a positive int")
+    min_p = 0.0 if req.min_p is None else req.min_p
+    if not 0 <= min_p <= 1:
+        raise _bad("min_p", f"{min_p!r} must be in [0, 1]")
+    if max_tokens < 1:
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else None
+        raise _bad(field or "max_tokens", f"{max_tokens} must be >= 1")
+    if not 1 <= req.n <= max_n:
+        raise _bad("n", f"{req.n} must be in [1, {max_n}] (the engine's max_num_seqs)")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise _bad(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
+    stops = req.stop_token_ids or []
+    if any(s < 0 for s in stops):
+        raise _bad("stop_token_ids", "token ids must be >= 0")
+    # OpenAI seeds are any int; the engine's keys take [0, 2**31). No seed: a fresh one.
+    seed = random.randrange(2**31) if req.seed is None else req.seed % 2**31
+    return SamplingParams(
+        temperature=float(t),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=float(min_p),
+        max_tokens=int(max_tokens),
+        stop_token_ids=tuple(stops),
+        seed=seed,
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+        logprobs=logprobs,
+    )
+
+
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    return req.logprobs
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _bad("top_logprobs", "requires logprobs = true")
+    if not req.logprobs:
+        return None
+    return 0 if req.top_logprobs is None else req.top_logprobs
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 from pydantic's errors, naming the first bad field (`messages.0.content`)."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if not str(x).startswith(("function-", "list["))]
+    # Union members add their type to the location (prompt.str, prompt.list[int]); drop them.
+    loc = [x for x in loc if x not in ("str", "int", "float", "bool", "TextPart")]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {e.get('msg')}", None)
+    msg = e.get("msg", "invalid value")
+    return APIError(400, f"{param}: {msg}" if param else msg, param)

@@ -1,0 +1,106 @@
+"""Response pieces: the per-choice stream state and the OpenAI shapes of usage and logprobs.
+
+`Choice` holds one choice's tokens, text (through the incremental detokenizer and its stop
+strings) and logprob entries `(token id, logprob, ((id, logprob), ...) top)` as outputs arrive.
+The formatters take `token_text(id)` / `token_bytes(id)` from the app's state.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jaxinfer.server.detokenizer import IncrementalDetokenizer, StopMatcher
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: a byte-level BPE token's characters -> bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+BYTES = _byte_decoder()
+
+
+class Choice:
+    """The text, tokens and logprobs of one choice as they stream in."""
+
+    def __init__(self, index: int, tokenizer, prompt: list[int], stops: list[str]):
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, prompt)
+        self.stop = StopMatcher(stops)
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[int, float, tuple]] = []  # (id, logprob, top)
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def feed(self, out) -> tuple[str, list]:
+        """A StreamOutput of this choice -> (text to send, its new logprob entries)."""
+        if self.finished:
+            return "", []
+        ids = list(out.new_token_ids)
+        self.token_ids += ids
+        entries = [(t, lp, top) for t, (lp, top) in zip(ids, out.logprobs or ())]
+        self.logprobs += entries
+        piece = self.detok.add(ids)
+        if out.finished:
+            piece += self.detok.flush()
+        self.stop.push(piece)
+        error = getattr(out, "error", None)
+        if error or out.finish_reason == "error":
+            self.finished, self.finish_reason = True, "error"
+            self.error = error or "engine step failed"
+        elif self.stop.stopped:
+            self.finished, self.finish_reason = True, "stop"
+        elif out.finished:
+            self.finished, self.finish_reason = True, out.finish_reason
+        return self.stop.release(final=self.finished), entries
+
+    def fail(self, message: str) -> None:
+        if not self.finished:
+            self.finished, self.finish_reason, self.error = True, "error", message
+
+
+def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    p = sum(len(x) for x in prompts)
+    c = sum(len(ch.token_ids) for ch in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_logprobs(srv: Any, entries: list, offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, lp, top in entries:
+        s = srv.token_text(tid)
+        tokens.append(s)
+        lps.append(lp)
+        if top is None:
+            tops.append(None)
+        else:
+            d = {srv.token_text(j): v for j, v in top}
+            d.setdefault(s, lp)  # the sampled token is always there (vLLM)
+            tops.append(d)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(srv: Any, entries: list) -> dict:
+    def item(tid, lp):
+        return {"token": srv.token_text(tid), "logprob": lp, "bytes": srv.token_bytes(tid)}
+
+    content = [
+        {**item(tid, lp), "top_logprobs": [item(j, v) for j, v in top]} for tid, lp, top in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

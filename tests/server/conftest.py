@@ -1,0 +1,83 @@
+"""One server over the shipped target model for the whole directory, on a free port.
+
+Every test talks to it over HTTP with the official `openai` client (or httpx for raw bodies).
+The engine's batch shape is fixed (B = 8 rows, M = 16 blocks) so the jitted step compiles once
+per token bucket for the whole directory.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.server import Server
+
+MODEL = "target"
+# The shipped tiny model has no chat template; a minimal one in the usual shape.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ECFG = ji.EngineConfig(
+    block_size=16,
+    num_blocks=65,  # 64 usable blocks = 1024 slots
+    max_num_seqs=8,
+    max_num_batched_tokens=128,
+    min_token_bucket=16,
+    min_block_bucket=16,  # M fixed: 256 positions
+    min_seq_bucket=8,  # B fixed at max_num_seqs
+)
+
+
+@pytest.fixture(scope="session")
+def model():
+    path = ji.models.path(MODEL)
+    cfg, params = ji.load_checkpoint(path)
+    return cfg, params, ji.load_tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def server(model, tmp_path_factory):
+    cfg, params, tok = model
+    log = tmp_path_factory.mktemp("server") / "requests.jsonl"
+    srv = Server(
+        ji.Engine(cfg, params, ECFG),
+        tok,
+        port=0,
+        model_name=MODEL,
+        chat_template=CHAT_TEMPLATE,
+        max_waiting=64,
+        request_log=str(log),
+        shutdown_timeout=5.0,
+    ).start()
+    srv.request_log = log
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def metric(server, name: str) -> float:
+    """One sample of /metrics (the only series of `name`)."""
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def served(client) -> None:
+    """The server still answers a plain request."""
+    r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1

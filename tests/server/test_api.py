@@ -1,0 +1,311 @@
+"""The OpenAI routes with the official client: text, streaming, n, stop, seed, logprobs, usage."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+import jaxinfer as ji
+from tests.server.conftest import MODEL, served
+
+PROMPT = "def add(a, b):\n    return"
+
+
+def _ids(tok, text):
+    return tok.encode(text).ids
+
+
+def _reference(model, ids, max_tokens, **kw):
+    cfg, params, tok = model
+    sp = ji.SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+    out = ji.generate(cfg, params, [ids], sp)[0]
+    return out, tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/nope")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_greedy_completion_equals_generate_and_usage(model, client):
+    tok = model[2]
+    ref, text = _reference(model, _ids(tok, PROMPT), 24)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == text
+    assert r.choices[0].finish_reason == ("length" if len(ref.token_ids) == 24 else "stop")
+    assert r.usage.prompt_tokens == len(_ids(tok, PROMPT))
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # Token ids as the prompt give the same.
+    r2 = client.completions.create(
+        model=MODEL, prompt=_ids(tok, PROMPT), max_tokens=24, temperature=0
+    )
+    assert r2.choices[0].text == text
+
+
+def test_streaming_completion_and_usage(model, client, server):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # The raw stream is SSE ending with [DONE].
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in resp.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
+
+
+def test_chat_streaming_and_not(model, client):
+    msgs = [{"role": "system", "content": "Python."}, {"role": "user", "content": "sum"}]
+    tok = model[2]
+    ids = tok.encode("<|system|>Python.\n<|user|>sum\n<|assistant|>", add_special_tokens=False).ids
+    ref, text = _reference(model, ids, 16)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_n2_seed_and_reproducibility(model, client):
+    tok = model[2]
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=11)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # forks draw their own noise
+    # Sample 0 is ji.generate's sample with the same seed.
+    cfg, params, _ = model
+    sp = ji.SamplingParams(temperature=1.0, max_tokens=16, seed=11)
+    ref = ji.generate(cfg, params, [_ids(tok, PROMPT)], sp)[0]
+    assert a.choices[0].text == tok.decode(ref.token_ids, skip_special_tokens=True)
+    c = client.completions.create(n=1, **{**kw, "seed": 12})
+    assert c.choices[0].text != a.choices[0].text
+    # usage counts the tokens of both choices: one logprob entry per token.
+    lp = client.completions.create(n=2, logprobs=0, **kw)
+    assert lp.usage.completion_tokens == sum(len(ch.logprobs.tokens) for ch in lp.choices)
+
+
+def test_stop_strings_streaming_and_not(model, client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
+    text = full.choices[0].text
+    stop = text[8:11]
+    assert stop and text.index(stop) == 8, text
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop, "\x00never"]
+    )
+    assert r.choices[0].text == text[:8] and r.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text[:8]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _score_logprobs(model, ids):
+    cfg, params, _ = model
+    logits = ji.score(cfg, params, np.asarray([ids], np.int32))[0]
+    return np.asarray(jax.nn.log_softmax(logits, -1))  # [S, V]
+
+
+def test_logprobs_completion_and_echo(model, client):
+    tok = model[2]
+    prompt_ids = _ids(tok, PROMPT)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=3, echo=True
+    )
+    lp = r.choices[0].logprobs
+    P = len(prompt_ids)
+    assert len(lp.tokens) == P + r.usage.completion_tokens
+    assert r.choices[0].text.startswith(tok.decode(prompt_ids))
+    ref, _ = _reference(model, prompt_ids, 8)
+    ids = prompt_ids + ref.token_ids
+    want = _score_logprobs(model, ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):  # prompt tokens (scored) and generated ones (engine)
+        np.testing.assert_allclose(lp.token_logprobs[i], want[i - 1, ids[i]], atol=2e-4)
+        top = lp.top_logprobs[i]
+        best = np.sort(want[i - 1])[::-1][:3]
+        np.testing.assert_allclose(sorted(top.values(), reverse=True)[:3], best, atol=2e-4)
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_logprobs_chat(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob <= 0 and item.top_logprobs[0].logprob >= item.logprob - 1e-5
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        x
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for x in c.choices[0].logprobs.content
+    ]
+    assert [x.token for x in streamed] == [x.token for x in content]
+
+
+BAD = [
+    ("temperature", {"temperature": "hot"}),
+    ("temperature", {"temperature": -1}),
+    ("temperature", {"temperature": True}),
+    ("top_p", {"top_p": 0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 1.5}),
+    ("min_p", {"min_p": 2}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": "10"}),
+    ("n", {"n": 0}),
+    ("n", {"n": 100}),
+    ("seed", {"seed": "s"}),
+    ("stop", {"stop": 3}),
+    ("stop", {"stop": [""]}),
+    ("logprobs", {"logprobs": 21}),
+    ("logprobs", {"logprobs": -1}),
+    ("stream", {"stream": "yes"}),
+    ("stream_options.include_usage", {"stream": True, "stream_options": {"include_usage": 1}}),
+    ("presence_penalty", {"presence_penalty": "x"}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("logit_bias", {"logit_bias": {"1": 5.0}}),
+    ("user", {"user": 5}),
+    ("prompt", {"prompt": 5}),
+    ("prompt", {"prompt": [1.5, 2]}),
+    ("prompt", {"prompt": {"text": "x"}}),
+    ("prompt", {"prompt": []}),
+    ("prompt", {"prompt": [10**9]}),
+    ("prompt", {"prompt": "x" * 5000}),
+    ("max_tokens", {"max_tokens": 1030}),  # beyond the context of 1024
+    ("echo", {"echo": "true"}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+]
+
+
+@pytest.mark.parametrize("param,body", BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
+def test_invalid_completion_fields_400(server, client, param, body):
+    body = {"model": MODEL, "prompt": "x", **body}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[0] in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    served(client)
+
+
+CHAT_BAD = [
+    ("messages", {"messages": []}),
+    ("messages", {"messages": "hi"}),
+    ("messages.0.role", {"messages": [{"content": "hi"}]}),
+    ("messages.0.content", {"messages": [{"role": "user", "content": 5}]}),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 30}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("logprobs", {"logprobs": 2}),
+    ("max_completion_tokens", {"max_completion_tokens": "a"}),
+    ("tools", {"tools": [{"type": "function"}]}),
+]
+
+
+@pytest.mark.parametrize("param,body", CHAT_BAD, ids=[p for p, _ in CHAT_BAD])
+def test_invalid_chat_fields_400(server, client, param, body):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    served(client)
+
+
+def test_malformed_json_unknown_model_and_pool(server, client):
+    for raw in (b"{", b"[1, 2]", b"", b"not json", b'{"model": "target", "prompt": "x",}'):
+        r = httpx.post(
+            server.url + "/v1/completions", content=raw,
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert r.status_code == 400, (raw, r.text)
+        served(client)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["param"] == "model"
+    # Fits the context (1024) but not the pool (64 blocks x 16 slots) with n = 4 forks.
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x " * 300, "max_tokens": 700, "n": 4},
+    )
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+    # Unknown fields are ignored.
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1, "vendor_extra": {"a": 1}},
+    )
+    assert r.status_code == 200
+    served(client)
+
+
+def test_queue_full_503_with_retry_after(server, client):
+    import threading
+
+    gate = threading.Event()
+    server.engine.call(lambda engine: gate.wait(30))  # hold the engine thread between steps
+    old, server.engine.max_waiting = server.engine.max_waiting, 2
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as h:
+            pending = [
+                threading.Thread(target=h.post, args=("/v1/completions",), kwargs={"json": body})
+                for _ in range(2)
+            ]
+            for t in pending:
+                t.start()
+            while server.engine.num_waiting < 2:
+                gate.wait(0.01)
+            r = h.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            gate.set()
+            for t in pending:
+                t.join()
+    finally:
+        gate.set()
+        server.engine.max_waiting = old
+    served(client)
+
+
+def test_request_log(server, client):
+    served(client)
+    lines = [json.loads(x) for x in server.request_log.read_text().splitlines()]
+    rec = lines[-1]
+    assert {"arrival", "first_token", "finish", "prompt_tokens", "completion_tokens"} <= set(rec)
+    assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
+    assert rec["finish_reason"] in ("stop", "length")

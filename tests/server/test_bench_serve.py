@@ -1,0 +1,36 @@
+"""experiments/bench_serve.py attached to the test server: a small soak and a small sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench(server, workdir, *flags):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    cmd = [
+        sys.executable, os.path.join(ROOT, "experiments", "bench_serve.py"),
+        f"--base_url={server.url}", f"--workdir={workdir}", "--quick", "--num_requests=8",
+        "--max_len=64", "--workloads=sharegpt", *flags,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(os.path.join(workdir, "results.json")) as f:
+        return json.load(f)
+
+
+def test_soak_and_sweep_attached(server, tmp_path):
+    out = _bench(server, tmp_path / "soak", "--soak", "--soak_requests=40")["soak"]
+    assert out["ok"] and out["failed"] == 0 and out["kv_blocks_used_after"] == 0
+    assert out["status_codes"].get("200", 0) + out["rejected_503"] == 40
+    res = _bench(
+        server, tmp_path / "sweep", "--rate_fractions=0.5", "--burstiness=0.5",
+        "--slo_ttft_s=10", "--slo_tpot_s=1", "--max_concurrency=4",
+    )  # fmt: skip
+    run = res["workloads"]["sharegpt"]["runs"]["http"][0]
+    assert run["failed"] == 0 and run["summary"]["num_completed"] == 8
+    assert run["summary"]["goodput"] > 0 and res["server_exit_code"] is None  # attached: not ours
