@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.cache.metadata import (
     BatchMetadata,
@@ -27,6 +28,8 @@ from jaxinfer.cache.metadata import (
 )
 from jaxinfer.cache.paged import check_block_size, init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.distributed.sharding import constrain_cache
+from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
@@ -102,7 +105,7 @@ def stop_table(cfg: ModelConfig, sampling: Sequence[SamplingParams], rows: int) 
     return table
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend", "mesh"))
 def _generate_core(
     params: dict,
     prefill: BatchMetadata,  # the ragged prompt batch; B padded rows of logits
@@ -116,11 +119,14 @@ def _generate_core(
     max_new: int,
     block_size: int,
     backend: str,
+    mesh: Mesh | None = None,  # the TP mesh the params live on (None: one device)
 ):
     TRACE_COUNTS["generate"] += 1
     b, m = tables.shape
     params = loop_layout(params)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size)
+    if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
+        cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
     first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len
 
@@ -180,6 +186,7 @@ def generate(
     block_size: int = 16,
     backend: str = "auto",
     pad_to: Mapping[str, int] | None = None,
+    mesh: Mesh | int | None = None,
 ) -> list[GenerationOutput]:
     """Generates a continuation for each prompt.
 
@@ -192,12 +199,15 @@ def generate(
       backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       pad_to: optional minimum padded sizes {"seqs", "tokens", "blocks", "new_tokens"}: a
         caller that runs many batches (a static-batching server) fixes them to compile once.
+      mesh: run tensor-parallel on this device mesh (or degree): params are placed by
+        `ji.shard_params` first. Params already placed by it run sharded without this.
 
     Returns:
       One GenerationOutput per prompt, in order.
     """
     sampling = validate_requests(cfg, prompts, sampling)
     check_params(cfg, params)
+    params, mesh = prepare_tp(cfg, params, mesh)
     block_size = check_block_size(block_size)
     pad_to = dict(pad_to or {})
     unknown = set(pad_to) - {"seqs", "tokens", "blocks", "new_tokens"}
@@ -235,6 +245,7 @@ def generate(
         max_new=max_new,
         block_size=block_size,
         backend=backend,
+        mesh=mesh,
     )
     out, n_out, stopped = jax.device_get((out, n_out, stopped))
     return [
