@@ -1,0 +1,201 @@
+"""Tensor-parallel cases, run on 8 fake CPU devices by `test_tp.py` in a fresh process.
+
+Not collected by the suite (jax must see the device-count flag before it starts). Run alone:
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/distributed/_tp_cases.py`
+
+Every case compares a sharded run with the single-device one on the same params: paged-forward
+logits within 1e-5 (float32) over a prefill step and a mixed decode + chunk step, the cache's
+layout (split over KV heads, replicated past them), greedy `ji.generate` tokens identical, each
+sharded execution repeated 20 times (a collective returning wrong data now and then would show).
+"""
+
+import functools
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxinfer as ji  # noqa: E402
+from jaxinfer.cache.metadata import SeqChunk, build_metadata  # noqa: E402
+from jaxinfer.config import preset  # noqa: E402
+from jaxinfer.model.params import LINEAR_NAMES  # noqa: E402
+from jaxinfer.quant import quantize_int8, rtn_quantize  # noqa: E402
+from tests.helpers import random_params  # noqa: E402
+
+REPEATS = 20
+BLOCK = 4
+DEGREES = (1, 2, 4, 8)
+# 8 query heads so every degree divides them; 2 KV heads so degrees 4 and 8 replicate them.
+FAMILIES = {
+    "llama": preset("tiny-llama").replace(num_heads=8, num_kv_heads=2, head_dim=8),
+    "qwen2": preset("tiny-qwen2").replace(num_heads=8, num_kv_heads=2, head_dim=8),
+}
+PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64, 33, 2, 70, 11, 9], [120, 4, 56, 7, 31, 18]]
+GREEDY = ji.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _quantize(params: dict, kind: str) -> dict:
+    if kind == "dense":
+        return params
+    layers = dict(params["layers"])
+    for name in LINEAR_NAMES:
+        if kind == "int4":  # G = 8: wo's 64 input rows give each of 8 shards one group
+            layers[name] = rtn_quantize(layers[name], bits=4, group_size=8)
+        else:
+            layers[name] = quantize_int8(layers[name], act_quant=kind == "int8-w8a8")
+    return {**params, "layers": layers}
+
+
+@functools.cache
+def _model(family: str, kind: str):
+    cfg = FAMILIES[family]
+    return cfg, _quantize(random_params(cfg, seed=3), kind)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, batch, cache, cfg):
+    return ji.forward(params, cfg, batch, cache)
+
+
+def _steps():
+    """Two steps over permuted blocks: both prefills, then a decode and a chunk of 4."""
+    m = 6
+    tables = np.array([[3, 9, 1, 12, 5, 7], [2, 11, 8, 4, 10, 6]])
+    a, b = PROMPTS
+    pad = dict(num_tokens=24, num_seqs=2, max_blocks=m, num_logits=24)
+    first, _ = build_metadata(
+        [SeqChunk(a, 0, tables[0], "all"), SeqChunk(b[:2], 0, tables[1], "all")], BLOCK, **pad
+    )
+    second, _ = build_metadata(
+        [SeqChunk([77], len(a), tables[0], "all"), SeqChunk(b[2:], 2, tables[1], "all")],
+        BLOCK,
+        **pad,
+    )
+    return [jax.tree.map(jnp.asarray, s) for s in (first, second)]
+
+
+def _run(cfg, params, cache, steps):
+    out = []
+    for s in steps:
+        logits, cache = _forward(params, s, cache, cfg)
+        out.append(np.asarray(logits))
+    return np.concatenate(out), cache
+
+
+def _nan_cache(cfg):
+    cache = ji.init_cache(cfg, 13, BLOCK)
+    return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)  # only live slots count
+
+
+@functools.cache
+def _ref_logits(family: str, kind: str) -> np.ndarray:
+    cfg, params = _model(family, kind)
+    return _run(cfg, params, _nan_cache(cfg), _steps())[0]
+
+
+@functools.cache
+def _ref_tokens(family: str, kind: str) -> list:
+    cfg, params = _model(family, kind)
+    return [o.token_ids for o in ji.generate(cfg, params, PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("degree", DEGREES)
+def test_forward_logits_match_single_device(family, kind, degree):
+    cfg, params = _model(family, kind)
+    want = _ref_logits(family, kind)
+    sharded = ji.shard_params(cfg, params, degree)
+    steps = _steps()
+    for _ in range(REPEATS):
+        cache = ji.distributed.shard_cache(cfg, _nan_cache(cfg), degree)
+        got, cache = _run(cfg, sharded, cache, steps)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # The cache stayed split over KV heads: one KV head per device once the degree passes K.
+    mesh = ji.distributed.tp_mesh(cfg, degree)
+    assert cache.k.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "kv")), 5)
+    kv_per_device = {s.data.shape[2] for s in cache.k.addressable_shards}
+    assert kv_per_device == {max(1, cfg.num_kv_heads // degree)}
+    assert len(cache.k.sharding.device_set) == degree
+
+
+# A generate compile costs about three forward compiles: every degree on one family, one degree
+# per other (family, weights) pair (the logits test above covers every combination).
+@pytest.mark.parametrize(
+    "family,kind,degree",
+    [("llama", "dense", 2), ("llama", "dense", 4), ("llama", "dense", 8), ("qwen2", "dense", 8)]
+    + [("llama", "int4", 8), ("qwen2", "int8", 4)],
+)
+def test_greedy_generate_identical(family, kind, degree):
+    cfg, params = _model(family, kind)
+    want = _ref_tokens(family, kind)
+    mesh = jax.make_mesh((degree,), ("tp",))  # a plain user mesh: ji.generate re-lays it out
+    for i in range(REPEATS):
+        got = [o.token_ids for o in ji.generate(cfg, params, PROMPTS, GREEDY, mesh=mesh)]
+        assert got == want, f"repeat {i}"
+
+
+def test_generate_takes_presharded_params():
+    cfg, params = _model("llama", "dense")
+    want = _ref_tokens("llama", "dense")
+    sharded = ji.shard_params(cfg, params, 8)
+    assert ji.distributed.params_mesh(sharded).shape == {"kv": 2, "rep": 4}
+    got = [o.token_ids for o in ji.generate(cfg, sharded, PROMPTS, GREEDY)]
+    assert got == want
+
+
+def test_w8a8_logits_match():
+    cfg, params = _model("llama", "int8-w8a8")
+    want = _ref_logits("llama", "int8-w8a8")
+    cache = ji.distributed.shard_cache(cfg, _nan_cache(cfg), 8)
+    got, _ = _run(cfg, ji.shard_params(cfg, params, 8), cache, _steps())
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_layouts():
+    cfg, params = _model("qwen2", "int4")
+    sharded = ji.shard_params(cfg, params, 8)
+    lay = sharded["layers"]
+    tp = ("kv", "rep")
+    assert lay["wq"].packed.sharding.spec == P(None, None, tp)  # column-parallel
+    assert lay["wq"].scales.sharding.spec == P(None, None, tp)
+    assert lay["wk"].zeros.sharding.spec == P(None, None, "kv")
+    assert lay["wo"].packed.sharding.spec == P(None, tp, None)  # row-parallel
+    assert lay["wo"].scales.sharding.spec == P(None, tp, None)
+    assert lay["w_down"].zeros.sharding.spec == P(None, tp, None)
+    assert lay["bq"].sharding.spec == P(None, tp)
+    assert sharded["embed"].sharding.spec == P(tp, None)  # by vocabulary
+    assert {s.data.shape for s in lay["wo"].scales.addressable_shards} == {(2, 1, 64)}
+    i8 = ji.shard_params(cfg, _model("qwen2", "int8")[1], 4)["layers"]
+    assert i8["w_up"].scales.sharding.spec == P(None, tp)
+    assert i8["w_down"].scales.sharding.spec == P(None, None)  # per output column: replicated
+
+
+def test_unrolled_layout_shards():
+    cfg, params = _model("llama", "dense")
+    sharded = ji.shard_params(cfg, ji.inference_layout(params), 4)
+    assert sharded["layers"][1]["w_down"].sharding.spec == P(("kv", "rep"), None)
+    assert sharded["lm_head"].sharding.spec == P(None, ("kv", "rep"))
+
+
+def test_refusals_name_the_cause():
+    cfg, params = _model("llama", "dense")
+    with pytest.raises(ValueError, match=r"degree 3 does not divide num_heads=8"):
+        ji.shard_params(cfg, params, 3)
+    with pytest.raises(ValueError, match=r"degree 3 does not divide num_heads=8"):
+        ji.generate(cfg, params, PROMPTS, GREEDY, mesh=jax.make_mesh((3,), ("tp",)))
+    odd = cfg.replace(num_heads=24, num_kv_heads=8)
+    with pytest.raises(ValueError, match=r"num_kv_heads=8"):
+        ji.distributed.tp_grid(odd, 6)
+    coarse = {**params, "layers": dict(params["layers"])}
+    for name in LINEAR_NAMES:
+        coarse["layers"][name] = rtn_quantize(params["layers"][name], bits=4, group_size=16)
+    ji.shard_params(cfg, coarse, 4)  # 64 / 4 = 16 rows per shard: whole groups
+    with pytest.raises(ValueError, match=r"layers/wo: .*split a quantization group.*=16"):
+        ji.shard_params(cfg, coarse, 8)
