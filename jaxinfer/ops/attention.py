@@ -15,6 +15,8 @@ gathers each query row's whole context), "pallas" (the Triton kernel, the GPU de
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -177,9 +179,12 @@ def paged_attention(
         return paged_attention_xla(*args, **kw)
     if backend == "reference":
         return paged_attention_reference(*args, **kw)
+    from jaxinfer.distributed.kernels import attention_over_heads
     from pallas_kernels.paged_attention import ragged_paged_attention
 
-    return ragged_paged_attention(*args, **kw, interpret=backend == "pallas-interpret")
+    # A pallas_call is not partitioned by XLA: under a TP mesh it runs per device on its heads.
+    kernel = functools.partial(ragged_paged_attention, interpret=backend == "pallas-interpret")
+    return attention_over_heads(kernel, *args, **kw)
 
 
 def dense_causal_attention(
