@@ -10,6 +10,7 @@ reuse the compilation; `TRACE_COUNTS` counts compilations for tests.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -233,20 +234,21 @@ def generate(
     prompt_lens[:n] = lens
     max_tokens = np.zeros(b, np.int32)
     max_tokens[:n] = [sp.max_tokens for sp in sampling]
-    out, n_out, stopped = _generate_core(
-        params,
-        prefill,
-        tables,
-        prompt_lens,
-        SamplingBatch.from_params(sampling, pad_to=b),
-        stop_table(cfg, sampling, b),
-        max_tokens,
-        cfg=cfg,
-        max_new=max_new,
-        block_size=block_size,
-        backend=backend,
-        mesh=mesh,
-    )
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # Pallas: shard_map
+        out, n_out, stopped = _generate_core(
+            params,
+            prefill,
+            tables,
+            prompt_lens,
+            SamplingBatch.from_params(sampling, pad_to=b),
+            stop_table(cfg, sampling, b),
+            max_tokens,
+            cfg=cfg,
+            max_new=max_new,
+            block_size=block_size,
+            backend=backend,
+            mesh=mesh,
+        )
     out, n_out, stopped = jax.device_get((out, n_out, stopped))
     return [
         GenerationOutput(out[i, : n_out[i]].tolist(), "stop" if stopped[i] else "length")
