@@ -11,6 +11,7 @@ sharded execution repeated 20 times (a collective returning wrong data now and t
 
 import functools
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -33,8 +34,8 @@ BLOCK = 4
 DEGREES = (1, 2, 4, 8)
 # 8 query heads so every degree divides them; 2 KV heads so degrees 4 and 8 replicate them.
 FAMILIES = {
-    "llama": preset("tiny-llama").replace(num_heads=8, num_kv_heads=2, head_dim=8),
-    "qwen2": preset("tiny-qwen2").replace(num_heads=8, num_kv_heads=2, head_dim=8),
+    "llama": preset("tiny-llama").replace(num_heads=8, num_kv_heads=2, head_dim=16),
+    "qwen2": preset("tiny-qwen2").replace(num_heads=8, num_kv_heads=2, head_dim=16),
 }
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64, 33, 2, 70, 11, 9], [120, 4, 56, 7, 31, 18]]
 GREEDY = ji.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -45,7 +46,7 @@ def _quantize(params: dict, kind: str) -> dict:
         return params
     layers = dict(params["layers"])
     for name in LINEAR_NAMES:
-        if kind == "int4":  # G = 8: wo's 64 input rows give each of 8 shards one group
+        if kind == "int4":  # G = 8: wo's 128 input rows give each of 8 shards two groups
             layers[name] = rtn_quantize(layers[name], bits=4, group_size=8)
         else:
             layers[name] = quantize_int8(layers[name], act_quant=kind == "int8-w8a8")
@@ -113,9 +114,9 @@ def test_forward_logits_match_single_device(family, kind, degree):
     want = _ref_logits(family, kind)
     sharded = ji.shard_params(cfg, params, degree)
     steps = _steps()
+    cache0 = ji.distributed.shard_cache(cfg, _nan_cache(cfg), degree)
     for _ in range(REPEATS):
-        cache = ji.distributed.shard_cache(cfg, _nan_cache(cfg), degree)
-        got, cache = _run(cfg, sharded, cache, steps)
+        got, cache = _run(cfg, sharded, cache0, steps)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     # The cache stayed split over KV heads: one KV head per device once the degree passes K.
     mesh = ji.distributed.tp_mesh(cfg, degree)
@@ -171,7 +172,7 @@ def test_layouts():
     assert lay["w_down"].zeros.sharding.spec == P(None, tp, None)
     assert lay["bq"].sharding.spec == P(None, tp)
     assert sharded["embed"].sharding.spec == P(tp, None)  # by vocabulary
-    assert {s.data.shape for s in lay["wo"].scales.addressable_shards} == {(2, 1, 64)}
+    assert {s.data.shape for s in lay["wo"].scales.addressable_shards} == {(2, 2, 64)}
     i8 = ji.shard_params(cfg, _model("qwen2", "int8")[1], 4)["layers"]
     assert i8["w_up"].scales.sharding.spec == P(None, tp)
     assert i8["w_down"].scales.sharding.spec == P(None, None)  # per output column: replicated
@@ -195,7 +196,36 @@ def test_refusals_name_the_cause():
         ji.distributed.tp_grid(odd, 6)
     coarse = {**params, "layers": dict(params["layers"])}
     for name in LINEAR_NAMES:
-        coarse["layers"][name] = rtn_quantize(params["layers"][name], bits=4, group_size=16)
-    ji.shard_params(cfg, coarse, 4)  # 64 / 4 = 16 rows per shard: whole groups
-    with pytest.raises(ValueError, match=r"layers/wo: .*split a quantization group.*=16"):
+        coarse["layers"][name] = rtn_quantize(params["layers"][name], bits=4, group_size=32)
+    ji.shard_params(cfg, coarse, 4)  # 128 / 4 = 32 rows of wo, w_down per shard: whole groups
+    with pytest.raises(ValueError, match=r"layers/w_down: .*split a quantization group.*=32"):
         ji.shard_params(cfg, coarse, 8)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_pallas(params, batch, cache, cfg):
+    return ji.forward(params, cfg, batch, cache, backend="pallas-interpret")
+
+
+def _collectives(fn, *args, **kw) -> set:
+    text = fn.lower(*args, **kw).compile().as_text()
+    return set(re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)\(", text))
+
+
+def test_pallas_kernel_runs_per_device_on_its_heads():
+    cfg, params = _model("qwen2", "dense")
+    want = _ref_logits("qwen2", "dense")
+    mesh = ji.distributed.tp_mesh(cfg, 8)
+    sharded = ji.shard_params(cfg, params, mesh)
+    cache0 = ji.distributed.shard_cache(cfg, _nan_cache(cfg), mesh)
+    steps = _steps()
+    # Outside the mesh context XLA cannot split the pallas_call: it gathers heads around it.
+    assert "all-gather" in _collectives(_forward_pallas, sharded, steps[1], cache0, cfg=cfg)
+    with jax.set_mesh(mesh):  # shard_map over heads: no gather, only the row-parallel sums
+        assert not _collectives(_forward_pallas, sharded, steps[1], cache0, cfg=cfg)
+        for _ in range(REPEATS):
+            cache, out = cache0, []
+            for s in steps:
+                logits, cache = _forward_pallas(sharded, s, cache, cfg)
+                out.append(np.asarray(logits))
+            np.testing.assert_allclose(np.concatenate(out), want, atol=1e-5, rtol=0)
