@@ -106,9 +106,12 @@ def _ref_tokens(family: str, kind: str) -> list:
     return [o.token_ids for o in ji.generate(cfg, params, PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
+# Dense weights at every degree; quantized ones at 2 (K split) and 8 (K replicated four times).
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("degree", DEGREES)
+@pytest.mark.parametrize(
+    "kind,degree",
+    [("dense", d) for d in DEGREES] + [(k, d) for k in ("int4", "int8") for d in (2, 8)],
+)
 def test_forward_logits_match_single_device(family, kind, degree):
     cfg, params = _model(family, kind)
     want = _ref_logits(family, kind)
