@@ -10,6 +10,7 @@ and its step times jitter; the counts carry the exactness).
 import math
 import time
 
+import numpy as np
 import pytest
 
 import jaxinfer as ji
@@ -65,14 +66,21 @@ def model():
     return cfg, random_params(cfg, seed=1)
 
 
+def _median_steps(runs):
+    """Per step index, the median measured time over repeated identical runs (spikes drop)."""
+    shapes = [s for s, _ in runs[0]]
+    assert all([s for s, _ in r] == shapes for r in runs)  # the runs are deterministic
+    return [(s, float(np.median([r[i][1] for r in runs]))) for i, s in enumerate(shapes)]
+
+
 def test_simulator_matches_engine(model):
     cfg, params = model
     calib, target = _workload(1), _workload(2)
     for w in (calib, target):  # compile every step shape first: compiles are not step times
         _run_engine(cfg, params, w)
-    _, calib_steps = _run_engine(cfg, params, calib)
-    fitted = LinearStepTime.fit(calib_steps)
-    engine, measured_steps = _run_engine(cfg, params, target)
+    fitted = LinearStepTime.fit(_median_steps([_run_engine(cfg, params, calib)[1] for _ in "abc"]))
+    measured = [_run_engine(cfg, params, target) for _ in "abc"]
+    engine, measured_steps = measured[0]
     sim = Simulator(CONFIG, fitted).run(target)
 
     # Exact: the same scheduler makes the same decisions.
@@ -86,9 +94,10 @@ def test_simulator_matches_engine(model):
         assert len(sim.metrics.requests[rid].token_events) == len(rec.token_events)
     assert got.prefix_cache_hit_rate == want.prefix_cache_hit_rate > 0
 
-    # Within a factor: the fitted model's times.
+    # Within a factor: the fitted model's times against the median of three measured runs.
     for name in ("ttft", "tpot", "e2e"):
-        p, m = getattr(got, name).p50, getattr(want, name).p50
+        p = getattr(got, name).p50
+        m = float(np.median([getattr(e.metrics(), name).p50 for e, _ in measured]))
         assert m / FACTOR <= p <= m * FACTOR, (name, p, m, fitted)
     # Goodput: reported, not asserted (a threshold near the measured times flips requests
     # either way under this machine's noise).
