@@ -232,3 +232,11 @@ def test_pallas_kernel_runs_per_device_on_its_heads():
                 logits, cache = _forward_pallas(sharded, s, cache, cfg)
                 out.append(np.asarray(logits))
             np.testing.assert_allclose(np.concatenate(out), want, atol=1e-5, rtol=0)
+
+
+def test_score_runs_sharded():
+    cfg, params = _model("qwen2", "dense")
+    tokens = np.array([PROMPTS[0][:6], PROMPTS[1][:6]], np.int32)
+    want = np.asarray(ji.score(cfg, params, tokens))
+    got = np.asarray(ji.score(cfg, ji.shard_params(cfg, params, 8), tokens))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
