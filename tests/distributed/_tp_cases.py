@@ -240,3 +240,22 @@ def test_score_runs_sharded():
     want = np.asarray(ji.score(cfg, params, tokens))
     got = np.asarray(ji.score(cfg, ji.shard_params(cfg, params, 8), tokens))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_smollm2_shaped_heads_degree_3():
+    # SmolLM2-135M's head layout (9 query heads, 3 KV heads) on random tiny weights: degree 3
+    # splits both, on the first 3 of the 8 devices; degrees that do not divide 9 are refused.
+    cfg = preset("tiny-llama").replace(
+        num_heads=9, num_kv_heads=3, head_dim=16, vocab_size=129, intermediate_size=192
+    )
+    params = random_params(cfg, seed=5)
+    want = _run(cfg, params, _nan_cache(cfg), _steps())[0]
+    got, cache = _run(
+        cfg, ji.shard_params(cfg, params, 3), ji.distributed.shard_cache(cfg, _nan_cache(cfg), 3),
+        _steps(),
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}
+    for degree in (2, 4, 6, 8):
+        with pytest.raises(ValueError, match=rf"degree {degree} does not divide num_heads=9"):
+            ji.shard_params(cfg, params, degree)
