@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import data
 from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
 from jaxinfer.cache.paged import KV_FORMATS, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
@@ -61,8 +62,6 @@ def standard_windows(
     Returns:
       [num_windows, seq_len + 1] int32.
     """
-    from jaxinfer import data
-
     tok = data.load_tokenizer() if tokenizer is None else tokenizer
     stream = data.tokenize_documents(tok, data.load_split("test"))  # [N]
     return data.eval_windows(stream, seq_len, max_tokens)
@@ -70,8 +69,6 @@ def standard_windows(
 
 def _as_windows(cfg: ModelConfig, tokens, seq_len: int, max_tokens: int | None) -> np.ndarray:
     """Validates `[N, S+1]` windows, or cuts a 1-D stream into them (`data.eval_windows`)."""
-    from jaxinfer import data
-
     arr = np.asarray(tokens)
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be integer ids, got dtype {arr.dtype}")

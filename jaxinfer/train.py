@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.data import random_windows
 from jaxinfer.model.decoder import forward_dense
 from jaxinfer.model.params import init_params
@@ -114,8 +114,6 @@ class TrainConfig:
         obj = dict(obj)
         model = dict(obj.pop("model"))
         if model.get("rope_scaling") is not None:
-            from jaxinfer.config import RopeScaling
-
             model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
         return cls(model=ModelConfig(**model), **obj)
 
