@@ -166,16 +166,3 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
         k_scale=cp(cache.k_scale),
         v_scale=cp(cache.v_scale),
     )
-
-
-def gather_dense(cache: PagedKVCache, layer: int, block_table: jax.Array, length: int):
-    """One sequence's keys and values `[length, K, D]` (dequantized), for inspection and tests."""
-    k = take_pages(cache.k, (layer, block_table))  # [M, K, S, D]
-    v = take_pages(cache.v, (layer, block_table))
-    if cache.k_scale is not None:
-        k = k.astype(jnp.float32) * cache.k_scale[layer, block_table][..., None]
-        v = v.astype(jnp.float32) * cache.v_scale[layer, block_table][..., None]
-    m, kh, s, d = k.shape
-    k = k.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
-    v = v.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
-    return k, v
