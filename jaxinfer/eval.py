@@ -34,6 +34,7 @@ from jaxinfer import data
 from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
 from jaxinfer.cache.paged import KV_FORMATS, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.losses import token_cross_entropy
 from jaxinfer.model.decoder import forward, forward_dense
 from jaxinfer.model.params import check_params
 from jaxinfer.ops.argmax import argmax
@@ -304,10 +305,8 @@ def _logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size
 @jax.jit
 def _ce_correct(logits, targets):
     """Per window: summed cross entropy [B] and correct top-1 count [B] of `logits [B, S, V]`."""
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
     correct = jnp.sum(argmax(logits) == targets, axis=-1)  # [B]
-    return jnp.sum(lse - picked, axis=-1), correct
+    return jnp.sum(token_cross_entropy(logits, targets), axis=-1), correct
 
 
 @jax.jit

@@ -45,8 +45,7 @@ OVERSIZED = {
     "jaxinfer/speculative/loop.py": 521,
     # Not split yet.
     "jaxinfer/data.py": 558,
-    "jaxinfer/eval.py": 523,
-    "jaxinfer/train.py": 524,
+    "jaxinfer/eval.py": 522,
 }
 
 
