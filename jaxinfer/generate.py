@@ -4,12 +4,11 @@ The whole request batch is one compiled program: prefill writes every prompt int
 and samples each first token; the loop then decodes all sequences together, one token per
 sequence per iteration, until every sequence has stopped. Shapes are bucketed to powers of two
 (batch, prompt tokens, blocks per sequence, new tokens) so new prompt lengths within a bucket
-reuse the compilation; `TRACE_COUNTS` counts compilations for tests.
+reuse the compilation (tests count compilations with `_generate_core._cache_size()`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -35,8 +34,6 @@ from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
-
-TRACE_COUNTS: collections.Counter = collections.Counter()  # name -> times traced (= compiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +134,6 @@ def _generate_core(
     backend: str,
     mesh: Mesh | None = None,  # the TP mesh the params live on (None: one device)
 ):
-    TRACE_COUNTS["generate"] += 1
     b, m = tables.shape
     params = loop_layout(params)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size)
