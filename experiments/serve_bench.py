@@ -44,8 +44,9 @@ from absl import app, flags, logging
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.engine import SLO, STEP_TRACE_COUNTS, MetricsCollector
-from jaxinfer.generate import TRACE_COUNTS
+from jaxinfer.engine import SLO, MetricsCollector
+from jaxinfer.engine.engine import _step as engine_step
+from jaxinfer.generate import _generate_core
 
 try:
     from experiments import flag_checks
@@ -234,11 +235,11 @@ def run_engine(cfg, params, ecfg, reqs: list[Req], slo: SLO | None) -> dict:
 
 def _timed_generate(cfg, params, prompts, sps, pad_to) -> float:
     """Seconds of one compiled `ji.generate` call (a call that compiled is run again)."""
-    before = TRACE_COUNTS["generate"]
+    before = _generate_core._cache_size()
     t = time.perf_counter()
     ji.generate(cfg, params, prompts, sps, pad_to=pad_to)
     dt = time.perf_counter() - t
-    if TRACE_COUNTS["generate"] != before:
+    if _generate_core._cache_size() != before:
         t = time.perf_counter()
         ji.generate(cfg, params, prompts, sps, pad_to=pad_to)
         dt = time.perf_counter() - t
@@ -493,7 +494,7 @@ def main(argv):
     t0 = time.perf_counter()
     warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
     warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
-    engine_compiles = STEP_TRACE_COUNTS["step"]
+    engine_compiles = engine_step._cache_size()
     slo = derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
     results = {name: bench_workload(cfg, params, bc, name, slo) for name in bc.workloads}
@@ -509,8 +510,8 @@ def main(argv):
         # Compilations: the engines' step after warm-up must be 0 (timed runs compile nothing);
         # static batches that compiled were timed on a second, compiled call.
         "engine_compiles_warmup": engine_compiles,
-        "engine_compiles_timed": STEP_TRACE_COUNTS["step"] - engine_compiles,
-        "static_compiles": TRACE_COUNTS["generate"],
+        "engine_compiles_timed": engine_step._cache_size() - engine_compiles,
+        "static_compiles": _generate_core._cache_size(),
         "workloads": results,
         "plots": [os.path.basename(p) for p in pngs],
     }

@@ -25,9 +25,15 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.generate import GenerationOutput, generate
 from jaxinfer.scoring import score
 
+# ---------------------------------------------------------------- scale-out
+from jaxinfer.distributed.sharding import shard_params
+
 # ---------------------------------------------------------------- subpackages (lazy)
 # Imported on first use so `import jaxinfer` stays light: ji.quant, ji.speculative, ...
-_LAZY = ("quant", "speculative", "engine", "eval", "models", "data", "memory", "ops", "server")
+_LAZY = (
+    "quant", "speculative", "engine", "eval", "models", "data", "memory", "ops", "server",
+    "distributed",
+)  # fmt: skip
 
 
 def __getattr__(name):
@@ -61,5 +67,6 @@ __all__ = [
     "preset",
     "save_checkpoint",
     "score",
+    "shard_params",
     "to_hf_config",
 ]

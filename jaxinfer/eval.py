@@ -7,9 +7,11 @@ Every measure runs over fixed next-token windows `[N, S+1]` (inputs `w[:, :-1]`,
 (documents wrapped in bos/eos) in windows of `EVAL_SEQ_LEN` = 256 tokens: 255 windows, 65,280
 predicted tokens, each predicted exactly once (`jaxinfer.data.eval_windows`).
 
-Device side: one jitted function per model config (per-window sums of cross entropy and correct
-top-1 predictions, and the argmax) and one per model pair (agreement and KL). Batches are padded to
-a fixed size so each runs one compilation; padded windows are dropped on the host.
+Every measure runs the one scoring loop `_score` over a list of models: a jitted logits function
+per model (the dense forward, or the paged forward over a fresh cache of a KV format), then
+jitted per-window sums of cross entropy and correct top-1 and, against the first model, of KL and
+argmax agreement. Batches are padded to a fixed size so each runs one compilation; padded windows
+are dropped on the host.
 
 Serving numerics (`lm_stats_paged`, and `compare_to_reference` with a KV format): each window is
 prefilled as one ragged chunk with logits "all" through the paged `forward`, which writes its K/V
@@ -28,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import data
 from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
 from jaxinfer.cache.paged import KV_FORMATS, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.losses import token_cross_entropy
 from jaxinfer.model.decoder import forward, forward_dense
 from jaxinfer.model.params import check_params
 from jaxinfer.ops.argmax import argmax
@@ -61,8 +65,6 @@ def standard_windows(
     Returns:
       [num_windows, seq_len + 1] int32.
     """
-    from jaxinfer import data
-
     tok = data.load_tokenizer() if tokenizer is None else tokenizer
     stream = data.tokenize_documents(tok, data.load_split("test"))  # [N]
     return data.eval_windows(stream, seq_len, max_tokens)
@@ -70,8 +72,6 @@ def standard_windows(
 
 def _as_windows(cfg: ModelConfig, tokens, seq_len: int, max_tokens: int | None) -> np.ndarray:
     """Validates `[N, S+1]` windows, or cuts a 1-D stream into them (`data.eval_windows`)."""
-    from jaxinfer import data
-
     arr = np.asarray(tokens)
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be integer ids, got dtype {arr.dtype}")
@@ -110,35 +110,6 @@ def _batches(windows: np.ndarray, batch_size: int, desc: str, progress: bool) ->
         if real < batch_size:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, axis=0)])
         yield real, chunk
-
-
-# ---------------------------------------------------------------------------------------------
-# Jitted per-batch statistics
-# ---------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _window_stats(params: dict, windows: jax.Array, cfg: ModelConfig):
-    """Per window: summed cross entropy [B], correct top-1 count [B], and the argmax [B, S]."""
-    logits = forward_dense(params, cfg, windows[:, :-1])  # [B, S, V] float32
-    targets = windows[:, 1:]  # [B, S]
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
-    top = argmax(logits)  # [B, S]
-    ce = jnp.sum(lse - picked, axis=-1)  # [B]
-    correct = jnp.sum(top == targets, axis=-1)  # [B]
-    return ce, correct, top
-
-
-@functools.partial(jax.jit, static_argnames=("cfg_a", "cfg_b"))
-def _pair_stats(params_a, params_b, windows, cfg_a: ModelConfig, cfg_b: ModelConfig):
-    """Per window: positions where the argmaxes agree [B], and summed KL(a || b) [B]."""
-    inputs = windows[:, :-1]  # [B, S]
-    log_p = jax.nn.log_softmax(forward_dense(params_a, cfg_a, inputs), axis=-1)  # [B, S, V]
-    log_q = jax.nn.log_softmax(forward_dense(params_b, cfg_b, inputs), axis=-1)  # [B, S, V]
-    agree = jnp.sum(argmax(log_p) == argmax(log_q), axis=-1)  # [B]
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
-    return agree, kl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +157,10 @@ def lm_stats(
     """
     check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
-    ce_sum, correct = 0.0, 0
-    for real, batch in _batches(windows, batch_size, "eval", progress):
-        ce, ok, _ = _window_stats(params, jnp.asarray(batch), cfg)
-        ce_sum += float(np.sum(np.asarray(ce, np.float64)[:real]))
-        correct += int(np.sum(np.asarray(ok)[:real]))
-    n = windows.shape[0] * (windows.shape[1] - 1)
-    return LMStats(num_tokens=n, nll=ce_sum / n, accuracy=correct / n)
+    models = [_logits_fn(cfg, params, None, 16, "auto", batch_size)]
+    sums, n = _score(models, windows, batch_size, "eval", progress)
+    ce, correct = sums[0, :2]
+    return LMStats(num_tokens=n, nll=float(ce / n), accuracy=float(correct / n))
 
 
 def perplexity(cfg: ModelConfig, params: dict, tokens, **kwargs) -> float:
@@ -234,18 +202,15 @@ def pair_stats(
     Returns:
       The PairStats.
     """
-    (cfg_a, params_a), (cfg_b, params_b) = target, draft
+    (cfg_a, _), (cfg_b, _) = target, draft
     if cfg_a.vocab_size != cfg_b.vocab_size:
         raise ValueError(f"vocab sizes differ: target {cfg_a.vocab_size}, draft {cfg_b.vocab_size}")
     windows = _as_windows(cfg_a, tokens, seq_len, max_tokens)
     _as_windows(cfg_b, windows, seq_len, None)  # the draft's limits too
-    agree, kl_sum = 0, 0.0
-    for real, batch in _batches(windows, batch_size, "agreement", progress):
-        ag, kl = _pair_stats(params_a, params_b, jnp.asarray(batch), cfg_a, cfg_b)
-        agree += int(np.sum(np.asarray(ag)[:real]))
-        kl_sum += float(np.sum(np.asarray(kl, np.float64)[:real]))
-    n = windows.shape[0] * (windows.shape[1] - 1)
-    return PairStats(num_tokens=n, agreement=agree / n, kl=kl_sum / n)
+    models = [_logits_fn(c, p, None, 16, "auto", batch_size) for c, p in (target, draft)]
+    sums, n = _score(models, windows, batch_size, "agreement", progress, ce=False)
+    _, _, kl, agree = sums[1]
+    return PairStats(num_tokens=n, agreement=float(agree / n), kl=float(kl / n))
 
 
 def greedy_agreement(
@@ -340,10 +305,8 @@ def _logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size
 @jax.jit
 def _ce_correct(logits, targets):
     """Per window: summed cross entropy [B] and correct top-1 count [B] of `logits [B, S, V]`."""
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
-    correct = jnp.sum(jnp.argmax(logits, axis=-1) == targets, axis=-1)  # [B]
-    return jnp.sum(lse - picked, axis=-1), correct
+    correct = jnp.sum(argmax(logits) == targets, axis=-1)  # [B]
+    return jnp.sum(token_cross_entropy(logits, targets), axis=-1), correct
 
 
 @jax.jit
@@ -354,6 +317,40 @@ def _kl_agree(ref_logits, logits):
     kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=(-2, -1))  # [B]
     agree = jnp.sum(argmax(log_p) == argmax(log_q), axis=-1)  # [B]
     return kl, agree
+
+
+def _score(models, windows: np.ndarray, batch_size: int, desc: str, progress: bool, ce=True):
+    """The one scoring loop of every measure: dense or paged, float or quantized KV.
+
+    Args:
+      models: host functions `inputs [batch_size, S] -> logits [batch_size, S, V]`
+        (`_logits_fn`); the first is the reference of the KL and agreement columns.
+      windows: `[N, S+1]` validated windows.
+      batch_size, desc, progress: as in `_batches`.
+      ce: whether to compute the cross-entropy and top-1 columns.
+
+    Returns:
+      (`[len(models), 4]` float64 sums over every predicted token of: cross entropy, correct
+      top-1, KL(reference || model), agreement with the reference; predicted token count).
+      The reference's own KL is 0 and its agreement the token count, not computed.
+    """
+    sums = np.zeros((len(models), 4), np.float64)
+    for real, batch in _batches(windows, batch_size, desc, progress):
+        batch = jnp.asarray(batch)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, S] each
+        ref_logits = models[0](inputs)  # [B, S, V]
+        for i, logits_of in enumerate(models):
+            logits = ref_logits if i == 0 else logits_of(inputs)
+            cols = {}
+            if ce:
+                cols[0], cols[1] = _ce_correct(logits, targets)
+            if i > 0:
+                cols[2], cols[3] = _kl_agree(ref_logits, logits)
+            for j, x in cols.items():
+                sums[i, j] += float(np.sum(np.asarray(x, np.float64)[:real]))
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    sums[0, 3] = n  # the reference agrees with itself everywhere; its KL stays 0
+    return sums, n
 
 
 def lm_stats_paged(
@@ -395,15 +392,10 @@ def lm_stats_paged(
     _check_sizes(block_size, batch_size)
     check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
-    logits_of = _logits_fn(cfg, params, kv_format, block_size, backend, batch_size)
-    ce_sum, correct = 0.0, 0
-    for real, batch in _batches(windows, batch_size, f"eval ({kv_format} KV)", progress):
-        batch = jnp.asarray(batch)
-        ce, ok = _ce_correct(logits_of(batch[:, :-1]), batch[:, 1:])
-        ce_sum += float(np.sum(np.asarray(ce, np.float64)[:real]))
-        correct += int(np.sum(np.asarray(ok)[:real]))
-    n = windows.shape[0] * (windows.shape[1] - 1)
-    return LMStats(num_tokens=n, nll=ce_sum / n, accuracy=correct / n)
+    models = [_logits_fn(cfg, params, kv_format, block_size, backend, batch_size)]
+    sums, n = _score(models, windows, batch_size, f"eval ({kv_format} KV)", progress)
+    ce, correct = sums[0, :2]
+    return LMStats(num_tokens=n, nll=float(ce / n), accuracy=float(correct / n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,18 +468,7 @@ def compare_to_reference(
     windows = _as_windows(reference[0], tokens, seq_len, max_tokens)
     for cfg, _ in models[1:]:
         _as_windows(cfg, windows, seq_len, None)  # each candidate's limits too
-    sums = np.zeros((len(models), 4), np.float64)  # ce, correct, kl, agree per model
-    for real, batch in _batches(windows, batch_size, "compare", progress):
-        batch = jnp.asarray(batch)
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, S] each
-        ref_logits = models[0][1](inputs)  # [B, S, V]
-        for i, (_, logits_of) in enumerate(models):
-            logits = ref_logits if i == 0 else logits_of(inputs)
-            ce, ok = _ce_correct(logits, targets)
-            kl, agree = _kl_agree(ref_logits, logits)
-            for j, x in enumerate((ce, ok, kl, agree)):
-                sums[i, j] += float(np.sum(np.asarray(x, np.float64)[:real]))
-    n = windows.shape[0] * (windows.shape[1] - 1)
+    sums, n = _score([fn for _, fn in models], windows, batch_size, "compare", progress)
     stats = [
         ReferenceStats(num_tokens=n, nll=s[0] / n, accuracy=s[1] / n, kl=s[2] / n,
                        agreement=s[3] / n)

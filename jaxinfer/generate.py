@@ -4,12 +4,12 @@ The whole request batch is one compiled program: prefill writes every prompt int
 and samples each first token; the loop then decodes all sequences together, one token per
 sequence per iteration, until every sequence has stopped. Shapes are bucketed to powers of two
 (batch, prompt tokens, blocks per sequence, new tokens) so new prompt lengths within a bucket
-reuse the compilation; `TRACE_COUNTS` counts compilations for tests.
+reuse the compilation (tests count compilations with `_generate_core._cache_size()`).
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxinfer.cache.metadata import (
     BatchMetadata,
@@ -28,11 +29,11 @@ from jaxinfer.cache.metadata import (
 from jaxinfer.cache.paged import check_block_size, init_cache
 from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
+from jaxinfer.distributed.sharding import constrain_cache
+from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
-
-TRACE_COUNTS: collections.Counter = collections.Counter()  # name -> times traced (= compiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ def stop_table(cfg: ModelConfig, sampling: Sequence[SamplingParams], rows: int) 
     return table
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend", "mesh"))
 def _generate_core(
     params: dict,
     prefill: BatchMetadata,  # the ragged prompt batch; B padded rows of logits
@@ -131,11 +132,13 @@ def _generate_core(
     max_new: int,
     block_size: int,
     backend: str,
+    mesh: Mesh | None = None,  # the TP mesh the params live on (None: one device)
 ):
-    TRACE_COUNTS["generate"] += 1
     b, m = tables.shape
     params = loop_layout(params)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size)
+    if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
+        cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
     first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len
 
@@ -201,6 +204,7 @@ def generate(
     block_size: int = 16,
     backend: str = "auto",
     pad_to: Mapping[str, int] | None = None,
+    mesh: Mesh | int | None = None,
 ) -> list[GenerationOutput]:
     """Generates a continuation for each prompt.
 
@@ -213,6 +217,8 @@ def generate(
       backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       pad_to: optional minimum padded sizes {"seqs", "tokens", "blocks", "new_tokens"}: a
         caller that runs many batches (a static-batching server) fixes them to compile once.
+      mesh: run tensor-parallel on this device mesh (or degree): params are placed by
+        `ji.shard_params` first. Params already placed by it run sharded without this.
 
     Returns:
       One GenerationOutput per prompt, in order. A sequence whose logits turn non-finite (NaN
@@ -221,6 +227,7 @@ def generate(
     """
     sampling = validate_requests(cfg, prompts, sampling)
     check_params(cfg, params)
+    params, mesh = prepare_tp(cfg, params, mesh)
     block_size = check_block_size(block_size)
     pad_to = dict(pad_to or {})
     unknown = set(pad_to) - {"seqs", "tokens", "blocks", "new_tokens"}
@@ -248,19 +255,21 @@ def generate(
     prompt_lens[:n] = lens
     max_tokens = np.zeros(b, np.int32)
     max_tokens[:n] = [sp.max_tokens for sp in sampling]
-    out, n_out, stopped, failed = _generate_core(
-        params,
-        prefill,
-        tables,
-        prompt_lens,
-        SamplingBatch.from_params(sampling, pad_to=b),
-        stop_table(cfg, sampling, b),
-        max_tokens,
-        cfg=cfg,
-        max_new=max_new,
-        block_size=block_size,
-        backend=backend,
-    )
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):  # Pallas: shard_map
+        out, n_out, stopped, failed = _generate_core(
+            params,
+            prefill,
+            tables,
+            prompt_lens,
+            SamplingBatch.from_params(sampling, pad_to=b),
+            stop_table(cfg, sampling, b),
+            max_tokens,
+            cfg=cfg,
+            max_new=max_new,
+            block_size=block_size,
+            backend=backend,
+            mesh=mesh,
+        )
     out, n_out, stopped, failed = jax.device_get((out, n_out, stopped, failed))
     outs = []
     for i in range(n):

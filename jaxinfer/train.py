@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.data import random_windows
+from jaxinfer.losses import distill_kl, lm_loss, token_cross_entropy
 from jaxinfer.model.decoder import forward_dense
 from jaxinfer.model.params import init_params
 
@@ -114,8 +115,6 @@ class TrainConfig:
         obj = dict(obj)
         model = dict(obj.pop("model"))
         if model.get("rope_scaling") is not None:
-            from jaxinfer.config import RopeScaling
-
             model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
         return cls(model=ModelConfig(**model), **obj)
 
@@ -200,51 +199,6 @@ def batch_for_step(stream: np.ndarray, tc: TrainConfig, step: int) -> np.ndarray
     """
     rng = np.random.default_rng([tc.seed, int(step)])
     return random_windows(stream, tc.batch_size, tc.seq_len, rng)
-
-
-# ---------------------------------------------------------------------------------------------
-# Losses
-# ---------------------------------------------------------------------------------------------
-
-
-def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Per-token next-token cross entropy, fused: logsumexp(logits) - logits[target].
-
-    Args:
-      logits: [B, S, V] float32.
-      targets: [B, S] int.
-
-    Returns:
-      [B, S] float32, nats.
-    """
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
-    return lse - picked
-
-
-def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy (nats) of `logits [B, S, V]` against `targets [B, S]`."""
-    return jnp.mean(token_cross_entropy(logits, targets))
-
-
-def distill_kl(student_logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
-    """Mean over positions of KL(teacher || student) of the next-token distributions.
-
-    KL(p || q) = sum_v p_v (log p_v - log q_v), p = softmax(teacher), q = softmax(student): the
-    forward KL, which covers every token the teacher may emit (what speculative acceptance rewards).
-
-    Args:
-      student_logits: [B, S, V] float32.
-      teacher_logits: [B, S, V] float32 (no gradient flows into it).
-
-    Returns:
-      [] float32, nats.
-    """
-    teacher_logits = jax.lax.stop_gradient(teacher_logits)
-    log_p = jax.nn.log_softmax(teacher_logits, axis=-1)  # [B, S, V]
-    log_q = jax.nn.log_softmax(student_logits, axis=-1)  # [B, S, V]
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, S]
-    return jnp.mean(kl)
 
 
 # ---------------------------------------------------------------------------------------------

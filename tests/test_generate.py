@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer.generate import TRACE_COUNTS
+from jaxinfer.generate import _generate_core
 from tests.helpers import poison_logits, random_params
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
@@ -97,12 +97,12 @@ def test_eos_from_config_stops_unless_ignored(params):
 def test_prompt_lengths_within_a_bucket_do_not_recompile(params):
     sp = ji.SamplingParams(temperature=0, max_tokens=5)
     ji.generate(CFG, params, [[1] * 20, [2] * 30], sp)  # 50 tokens -> T bucket 64, B 2
-    before = TRACE_COUNTS["generate"]
+    before = _generate_core._cache_size()
     ji.generate(CFG, params, [[3] * 25, [4] * 33], sp)  # 58 tokens: same buckets
     ji.generate(CFG, params, [[5] * 17, [6] * 40], sp)
-    assert TRACE_COUNTS["generate"] == before
+    assert _generate_core._cache_size() == before
     ji.generate(CFG, params, [[7] * 3, [8] * 4, [9] * 5], sp)  # B 3 -> bucket 4: new program
-    assert TRACE_COUNTS["generate"] == before + 1
+    assert _generate_core._cache_size() == before + 1
 
 
 @pytest.mark.parametrize(
@@ -135,13 +135,13 @@ def test_pad_to_fixes_shapes_across_batches(params):
     ref = ji.generate(CFG, params, [[1, 2, 3]], sp)
     out = ji.generate(CFG, params, [[1, 2, 3]], sp, pad_to=pad)
     assert out[0].token_ids == ref[0].token_ids
-    before = TRACE_COUNTS["generate"]
+    before = _generate_core._cache_size()
     ji.generate(CFG, params, [[4] * 9, [5] * 20, [6]], sp, pad_to=pad)
     ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=pad)
     # numpy and jax ints are ints (issue 15 cause 3): the same shapes, no new compilation.
     mixed = {k: (np.int64(v) if k == "seqs" else jnp.int32(v)) for k, v in pad.items()}
     ji.generate(CFG, params, [[7] * 30, [8] * 2], sp, pad_to=mixed)
-    assert TRACE_COUNTS["generate"] == before
+    assert _generate_core._cache_size() == before
     with pytest.raises(ValueError, match="unknown keys"):
         ji.generate(CFG, params, [[1]], sp, pad_to={"batch": 4})
     for bad in (0, -4, 2.5, True, np.bool_(True), jnp.float32(4)):

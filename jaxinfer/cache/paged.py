@@ -30,6 +30,9 @@ class PagedKVCache:
     k_scale: jax.Array | None  # [L, num_blocks, K, S] float32, quantized formats only
     v_scale: jax.Array | None  # [L, num_blocks, K, S] float32
     kv_format: str = dataclasses.field(default="float", metadata=dict(static=True))
+    # The platform the cache lives on ("cpu", "gpu", ...), read once by `init_cache`: it decides
+    # how float8 pages are indexed (`take_pages`), so no traced code reads the platform.
+    platform: str = dataclasses.field(default="cpu", metadata=dict(static=True))
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +65,7 @@ def init_cache(
     block_size: int,
     dtype=None,
     kv_format: str = "float",
+    platform: str | None = None,
 ) -> PagedKVCache:
     """A zeroed cache of `num_blocks` blocks (block 0 included) of `block_size` tokens.
 
@@ -71,6 +75,7 @@ def init_cache(
       block_size: S, tokens per block.
       dtype: storage dtype of a "float" cache; defaults to cfg.dtype.
       kv_format: "float", "int8" or "fp8" (e4m3 with per-(token, head) scales).
+      platform: the platform the cache is for; defaults to `jax.default_backend()`, read here.
     """
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
@@ -78,15 +83,18 @@ def init_cache(
     if num_blocks < 2:
         raise ValueError(f"num_blocks={num_blocks!r} is invalid: need >= 2 (block 0 is reserved)")
     shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    platform = platform or jax.default_backend()
     if kv_format == "float":
         store = jnp.dtype(dtype or cfg.dtype)
-        return PagedKVCache(jnp.zeros(shape, store), jnp.zeros(shape, store), None, None)
+        return PagedKVCache(
+            jnp.zeros(shape, store), jnp.zeros(shape, store), None, None, platform=platform
+        )
     store = jnp.int8 if kv_format == "int8" else jnp.float8_e4m3fn
     # Two scale arrays, not one twice: the engine donates the cache, and XLA refuses to donate
     # one buffer as two arguments.
     k_scale, v_scale = jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)
     return PagedKVCache(
-        jnp.zeros(shape, store), jnp.zeros(shape, store), k_scale, v_scale, kv_format=kv_format
+        jnp.zeros(shape, store), jnp.zeros(shape, store), k_scale, v_scale, kv_format, platform
     )
 
 
@@ -110,8 +118,8 @@ def write_kv(
     kq, ks = quantize_kv(k_new, cache.kv_format)
     vq, vs = quantize_kv(v_new, cache.kv_format)
     # Advanced indices (blk, off) around a slice: the indexed view is [T, K, D].
-    k = _scatter(cache.k, (layer, blk, slice(None), off), kq)
-    v = _scatter(cache.v, (layer, blk, slice(None), off), vq)
+    k = _scatter(cache.k, (layer, blk, slice(None), off), kq, cache.platform)
+    v = _scatter(cache.v, (layer, blk, slice(None), off), vq, cache.platform)
     k_scale, v_scale = cache.k_scale, cache.v_scale
     if ks is not None:
         k_scale = k_scale.at[layer, blk, :, off].set(ks)
@@ -119,15 +127,16 @@ def write_kv(
     return dataclasses.replace(cache, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
-def _through_bytes(dtype) -> bool:
+def _through_bytes(dtype, platform: str | None = None) -> bool:
     """Whether `take_pages` / `_scatter` index a float8 pool through a uint8 view: on a CPU only
-    (a GPU has float8 loads and stores; there the plain ops are kept, unmeasured)."""
+    (a GPU has float8 loads and stores; there the plain ops are kept, unmeasured). `platform`
+    None reads `jax.default_backend()` (host-side callers only)."""
     narrow_float = jnp.dtype(dtype).itemsize == 1 and not jnp.issubdtype(dtype, jnp.integer)
-    return narrow_float and jax.default_backend() == "cpu"
+    return narrow_float and (platform or jax.default_backend()) == "cpu"
 
 
-def take_pages(pages: jax.Array, index) -> jax.Array:
-    """`pages[index]`, reading only the indexed bytes for every cache dtype.
+def take_pages(pages: jax.Array, index, platform: str) -> jax.Array:
+    """`pages[index]`, reading only the indexed bytes for every cache dtype on `platform`.
 
     XLA's CPU backend has no float8 arithmetic and widens float8 arrays around gathers and
     scatters inside the model's step, converting the whole pool at every call: a step over an
@@ -135,16 +144,16 @@ def take_pages(pages: jax.Array, index) -> jax.Array:
     --kv_formats=int8,fp8). Indexing the same bytes through a uint8 view is exact and brought
     it to ~70 ms; what remains is XLA materialising the whole-pool view for each scatter.
     """
-    if not _through_bytes(pages.dtype):
+    if not _through_bytes(pages.dtype, platform):
         return pages[index]
     bits = jax.lax.bitcast_convert_type(pages, jnp.uint8)[index]
     return jax.lax.bitcast_convert_type(bits, pages.dtype)
 
 
-def _scatter(pages: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
+def _scatter(pages: jax.Array, index: tuple, values: jax.Array, platform: str) -> jax.Array:
     """`pages.at[index].set(values)` in place for every cache dtype (uint8 view for float8,
     as in `take_pages`)."""
-    if not _through_bytes(pages.dtype):
+    if not _through_bytes(pages.dtype, platform):
         return pages.at[index].set(values.astype(pages.dtype))
     bits = jax.lax.bitcast_convert_type(pages, jnp.uint8)
     new = jax.lax.bitcast_convert_type(values.astype(pages.dtype), jnp.uint8)
@@ -157,7 +166,8 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
     def cp(x):
         if x is None:
             return None
-        return _scatter(x, (slice(None), dst), take_pages(x, (slice(None), src)))
+        src_blocks = take_pages(x, (slice(None), src), cache.platform)
+        return _scatter(x, (slice(None), dst), src_blocks, cache.platform)
 
     return dataclasses.replace(
         cache,
@@ -166,16 +176,3 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
         k_scale=cp(cache.k_scale),
         v_scale=cp(cache.v_scale),
     )
-
-
-def gather_dense(cache: PagedKVCache, layer: int, block_table: jax.Array, length: int):
-    """One sequence's keys and values `[length, K, D]` (dequantized), for inspection and tests."""
-    k = take_pages(cache.k, (layer, block_table))  # [M, K, S, D]
-    v = take_pages(cache.v, (layer, block_table))
-    if cache.k_scale is not None:
-        k = k.astype(jnp.float32) * cache.k_scale[layer, block_table][..., None]
-        v = v.astype(jnp.float32) * cache.v_scale[layer, block_table][..., None]
-    m, kh, s, d = k.shape
-    k = k.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
-    v = v.transpose(0, 2, 1, 3).reshape(m * s, kh, d)[:length]
-    return k, v

@@ -1,7 +1,6 @@
 """Serving engine: host-side requests, scheduler and metrics; the device step is engine.py."""
 
 from jaxinfer.engine.engine import (
-    STEP_TRACE_COUNTS,
     Engine,
     EngineConfig,
     RequestOutput,
@@ -29,7 +28,6 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "RequestOutput",
-    "STEP_TRACE_COUNTS",
     "StreamOutput",
     # ------------------------------------------------------------------------ requests
     "FinishReason",

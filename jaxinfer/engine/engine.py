@@ -16,7 +16,7 @@ step: the model forward over the paged cache, then sampling on the device. Only 
 ids (`[B]` int32, -1 where a row of logits is not finite) come back to the host. The cache is
 donated to both calls, so it is updated in place. T (tokens), B (sequences = logits rows = sample
 rows) and M (blocks per sequence) are padded to powers of two, so a run compiles at most once per
-distinct (T, B, M); `STEP_TRACE_COUNTS` counts compilations for tests.
+distinct (T, B, M); tests count compilations with `_step._cache_size()`.
 
 Sampling is `jaxinfer.sampling.sample` with each row's `sample_index`: sample 0 of a request draws
 the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request gives exactly
@@ -56,9 +56,6 @@ from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params
 from jaxinfer.ops.attention import BACKENDS
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
-
-STEP_TRACE_COUNTS: collections.Counter = collections.Counter()  # "step" / "copy" -> traces
-
 
 # ------------------------------------------------------------------------------------ config
 
@@ -226,7 +223,6 @@ def _step(
     cfg: ModelConfig,
     backend: str,
 ) -> tuple[jax.Array, PagedKVCache]:
-    STEP_TRACE_COUNTS["step"] += 1
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
@@ -250,7 +246,6 @@ def _step_logprobs(
     params, cache, meta, sample_src, sb, sample_pos, sample_index, *, cfg, backend, num_logprobs
 ):
     """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`)."""
-    STEP_TRACE_COUNTS["step"] += 1
     logits, cache = forward(params, cfg, meta, cache, backend=backend)
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
@@ -260,7 +255,6 @@ def _step_logprobs(
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
-    STEP_TRACE_COUNTS["copy"] += 1
     return copy_blocks(cache, src, dst)
 
 

@@ -54,6 +54,7 @@ def paged_attention_block(
         v_scale=cache.v_scale,
         layer=layer,
         backend=backend,
+        platform=cache.platform,
     )  # [T, H, D]
     t = h.shape[0]
     return linear(out.reshape(t, cfg.num_heads * cfg.head_dim), lp["wo"], backend=backend), cache

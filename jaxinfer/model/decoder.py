@@ -17,6 +17,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import dense_attention_block, paged_attention_block
 from jaxinfer.model.layers import rms_norm, swiglu
 from jaxinfer.model.params import lm_head
+from jaxinfer.ops.backend import resolve_backend
 from jaxinfer.ops.linear import linear
 
 
@@ -55,6 +56,7 @@ def forward(
     Returns:
       (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache).
     """
+    backend = resolve_backend(backend)  # "auto" read once here, not by every op of every layer
     x = params["embed"][batch.tokens]  # [T, E]
 
     def layer(carry, xs):
@@ -101,6 +103,7 @@ def forward_dense(
     Returns:
       logits `[B, S, V]` float32.
     """
+    backend = resolve_backend(backend)  # "auto" read once here, not by every op of every layer
     x = params["embed"][tokens]  # [B, S, E]
 
     def layer(x, lp):

@@ -39,10 +39,10 @@ _PAGE_COST = 4  # reading one page costs about this many query rows of arithmeti
 _KEYS_PER_CHUNK = 128  # keys per online-softmax step of paged_attention_xla
 
 
-def _read_pages(pages, scale, blocks, layer):
+def _read_pages(pages, scale, blocks, layer, platform):
     """Pages `blocks` (of layer `layer` when given) in float32, dequantized by their scales."""
     idx = blocks if layer is None else (layer, blocks)
-    x = take_pages(pages, idx).astype(jnp.float32)
+    x = take_pages(pages, idx, platform).astype(jnp.float32)
     return x if scale is None else x * scale[idx][..., None]
 
 
@@ -76,6 +76,7 @@ def paged_attention_xla(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     layer: jax.Array | None = None,
+    platform: str = "cpu",
 ) -> jax.Array:
     """Ragged paged attention in plain XLA, organised like the Pallas kernel.
 
@@ -90,6 +91,8 @@ def paged_attention_xla(
         layer, `[L, num_blocks, K, S, D]`, and each chunk gathers straight from layer `layer`:
         a slice `cache.k[layer]` taken inside the model's layer scan would be copied whole into
         the chunk loop, a cost that grows with the cache, not the batch.
+      platform: the pages' platform (`PagedKVCache.platform`); it only picks how float8 pages
+        are indexed (`cache.paged.take_pages`: exact either way).
 
     Returns:
       `[T, H, D]` in q's dtype; rows outside every sequence are zero.
@@ -117,8 +120,8 @@ def paged_attention_xla(
     def chunk(j, carry):  # online softmax over keys j*mb*S .. (j+1)*mb*S - 1
         mx, denom, acc = carry  # [NT, K, G, tq], [NT, K, G, tq], [NT, K, G, tq, D]
         blocks = jax.lax.dynamic_slice_in_dim(table, j * mb, mb, axis=1)  # [NT, mb]
-        k = _read_pages(k_pages, k_scale, blocks, layer)  # [NT, mb, K, S, D] float32
-        v = _read_pages(v_pages, v_scale, blocks, layer)
+        k = _read_pages(k_pages, k_scale, blocks, layer, platform)  # [NT, mb, K, S, D] float32
+        v = _read_pages(v_pages, v_scale, blocks, layer, platform)
         key = j * mb * s + jnp.arange(mb * s, dtype=jnp.int32).reshape(mb, s)  # [mb, S]
         live = (key <= pos[:, :, None, None]) & live_row[:, :, None, None]  # [NT, tq, mb, S]
         if sliding_window is not None:
@@ -164,17 +167,19 @@ def paged_attention(
     v_scale=None,
     layer=None,
     backend: str = "auto",
+    platform: str = "cpu",
 ):
     """Ragged paged attention through the chosen backend (see `paged_attention_reference`).
 
     With `layer`, the pages and scales hold every layer `[L, num_blocks, ...]` and the op reads
     that layer in place (see `paged_attention_xla`); every backend takes the argument.
+    `platform` is the pages' platform, used by the XLA path (see `paged_attention_xla`).
     """
     backend = resolve_backend(backend)
     args = (q, k_pages, v_pages, query_start, seq_lens, block_tables)
     kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, layer=layer)
     if backend == "xla":
-        return paged_attention_xla(*args, **kw)
+        return paged_attention_xla(*args, **kw, platform=platform)
     if backend == "reference":
         return paged_attention_reference(*args, **kw)
     assert is_pallas(backend), backend

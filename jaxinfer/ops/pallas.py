@@ -7,9 +7,12 @@ Triton: this is the one place jaxinfer reaches a `kernel.py`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.distributed.kernels import attention_over_heads
 from jaxinfer.qtensor import Int4Weight, Int8Weight, quantize_per_token
 from pallas_kernels.int4_matmul.kernel import int4_matmul
 from pallas_kernels.int8_matmul.kernel import int8_int8_matmul, int8_matmul
@@ -39,5 +42,9 @@ def linear(x: jax.Array, w: Int4Weight | Int8Weight, *, interpret: bool) -> jax.
 
 
 def paged_attention(*args, interpret: bool, **kwargs) -> jax.Array:
-    """`ragged_paged_attention` (same arguments as `ops.paged_attention`)."""
-    return ragged_paged_attention(*args, **kwargs, interpret=interpret)
+    """`ragged_paged_attention` (same arguments as `ops.paged_attention`).
+
+    A pallas_call is not partitioned by XLA: under a TP mesh it runs per device on its heads.
+    """
+    kernel = functools.partial(ragged_paged_attention, interpret=interpret)
+    return attention_over_heads(kernel, *args, **kwargs)

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.qtensor import (
-    INT4_BITS,
     Int4Weight,
     Int8Weight,
     check_int4_static,
@@ -73,12 +72,6 @@ def quantize_codes(w: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -
     """q = clip(round(w / scale) + zero, 0, 2**bits - 1) as int32 (broadcasting)."""
     q = jnp.round(w.astype(jnp.float32) / scale) + zero.astype(jnp.float32)
     return jnp.clip(q, 0, 2**bits - 1).astype(jnp.int32)
-
-
-def fake_quantize(w: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
-    """`(quantize_codes(w) - zero) * scale` in float32: the value the kernel will see."""
-    q = quantize_codes(w, scale, zero, bits)
-    return (q - zero).astype(jnp.float32) * scale
 
 
 def _grouped(w: jax.Array, group_size: int) -> jax.Array:
@@ -179,9 +172,3 @@ def quantize_int8(w: jax.Array, *, act_quant: bool = False) -> Int8Weight:
     scales = jnp.where(amax > 0, amax / 127.0, 1.0)
     q = jnp.clip(jnp.round(w32 / scales[..., None, :]), -127, 127).astype(jnp.int8)
     return Int8Weight(q=q, scales=scales, act_quant=act_quant, shape=tuple(w.shape[-2:]))
-
-
-def check_bits(bits: int, allowed=INT4_BITS) -> None:
-    """Raises ValueError naming `bits` unless it is one of `allowed`."""
-    if bits not in allowed:
-        raise ValueError(f"bits={bits!r} is not supported; expected one of {tuple(allowed)}")

@@ -47,11 +47,6 @@ def smooth_scales(
     return jnp.where((a > 0) & (wmax > 0), jnp.maximum(s, _MIN_SCALE), 1.0)
 
 
-def smooth_weight(w: jax.Array, s: jax.Array) -> jax.Array:
-    """diag(s) W: the weight that reads the smoothed input x / s (float32 math, w's dtype)."""
-    return (w.astype(jnp.float32) * s[:, None]).astype(w.dtype)
-
-
 def smoothquant_weight(w: jax.Array, s: jax.Array | None = None) -> Int8Weight:
     """W8A8 weight of a linear whose input is divided by `s` (None: unsmoothed).
 

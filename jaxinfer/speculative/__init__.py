@@ -2,7 +2,7 @@
 
 See `acceptance` for the rejection / coupled / greedy modes and their trade-off, and `speedup`
 for tokens per cycle, cycle time and the choice of γ; `loop` runs speculative generation and
-`cycle_log` records and models its cycles.
+`cycle_log` records its cycles; `autotune` reads them into the speedup model to choose γ.
 """
 
 
@@ -39,21 +39,25 @@ from jaxinfer.speculative.speedup import (
 # Generation loop (loop.py: the lax.while_loop; drafters.py: model and n-gram drafters).
 # ---------------------------------------------------------------------------------------------
 from jaxinfer.speculative.drafters import ngram_propose
-from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput, generate
+from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput
 
 # ---------------------------------------------------------------------------------------------
-# Cycle logs (cycle_log.py: the host-driven loop, JSONL records, speedup model wiring, γ="auto").
+# Cycle logs (cycle_log.py: the host-driven loop, JSONL records) and γ tuning (autotune.py:
+# logs into the speedup model, γ="auto", and `generate`, the package's entry point).
 # ---------------------------------------------------------------------------------------------
-from jaxinfer.speculative.cycle_log import (
-    CycleRecord,
+from jaxinfer.speculative.autotune import (
     GammaChoice,
-    accepted_counts,
     choose_gamma,
     complete_alpha,
     fit_costs,
+    generate,
+    summarize_log,
+)
+from jaxinfer.speculative.cycle_log import (
+    CycleRecord,
+    accepted_counts,
     generate_with_log,
     read_cycle_log,
-    summarize_log,
     write_cycle_log,
 )
 

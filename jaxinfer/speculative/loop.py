@@ -22,8 +22,8 @@ token-identical to it. Temperature, top-k, top-p and min-p shape p and q identic
 Two drivers share the same phase functions: `generate` runs the fused `lax.while_loop` (one
 compiled program per bucketed shape), `generate_with_log` calls a jitted draft phase and a jitted
 verify+accept phase from a Python loop, times each with `block_until_ready` and records one
-`CycleRecord` per cycle (`cycle_log.py`, which also reads logs into the speedup model and picks
-γ for `gamma="auto"`).
+`CycleRecord` per cycle (`cycle_log.py`); `autotune.py` reads logs into the speedup model and
+picks γ for `gamma="auto"`.
 
 Shapes: B sequences (bucketed), V vocabulary, γ drafted tokens, C = M·S token capacity per
 sequence, M blocks per sequence, S block size.
@@ -31,7 +31,6 @@ sequence, M blocks per sequence, S block size.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -63,7 +62,6 @@ from jaxinfer.sampling import (
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
 from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, slots_of
 
-TRACE_COUNTS: collections.Counter = collections.Counter()  # phase name -> times traced
 ACCEPTANCE_MODES = ("rejection", "coupled")
 # Rejection-mode noise lives in its own stream, fold_in(key(seed), _SPEC_STREAM): a datum no
 # position reaches (positions are int32), so it never shares threefry counters with the plain
@@ -158,7 +156,6 @@ def _prefill(
     Independent of γ and the acceptance mode (static: the two configs, block size, backend), so
     every γ of a sweep shares one prefill compilation; `_start` adds the γ-shaped fields.
     """
-    TRACE_COUNTS["prefill"] += 1
     b, m = inputs.tables.shape
     tcache = init_cache(cfg, 1 + b * m, block_size)
     logits, tcache = forward(tparams, cfg, meta, tcache, backend=backend)  # [B, V]
@@ -231,7 +228,6 @@ def _make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
 def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
     """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
     del tparams  # same signature as _verify, so both drivers call the phases alike
-    TRACE_COUNTS["draft"] += 1
     if plan.dcfg is None:
         tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)
         q = jax.nn.one_hot(tokens, plan.cfg.vocab_size, dtype=jnp.float32)  # [B, γ, V]
@@ -268,7 +264,6 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
 
 def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
     """Verify + accept + commit: `(new state, CycleStats)`."""
-    TRACE_COUNTS["verify"] += 1
     gamma, s = plan.gamma, plan.block_size
     b, c = state.hist.shape
     rows = jnp.arange(b)
@@ -322,7 +317,6 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
 
 
 def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
-    TRACE_COUNTS["loop"] += 1
     tparams = loop_layout(tparams)  # sliced once, outside the cycle loop
     dparams = None if dparams is None else loop_layout(dparams)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
@@ -494,7 +488,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
-    gamma: int | str = 4,
+    gamma: int = 4,
     acceptance: str = "rejection",
     block_size: int = 16,
     backend: str = "auto",
@@ -508,8 +502,8 @@ def generate(
         prompt-lookup drafting (no model).
       prompts: token-id lists of any lengths.
       sampling: one SamplingParams for all prompts, or one per prompt (as `ji.generate`).
-      gamma: tokens drafted per cycle, or "auto": a short calibration run measures α and the
-        draft and verify costs and picks γ by the speedup model (`cycle_log.choose_gamma`).
+      gamma: tokens drafted per cycle (`ji.speculative.generate`, in `autotune.py`, also takes
+        "auto": γ chosen by the speedup model from a short calibration run).
       acceptance: "rejection" (exact rejection sampling; the output follows the declared
         distribution) or "coupled" (shared Gumbel noise; token-identical to `ji.generate` with
         the same seeds). Temperature-0 requests are greedy in both modes.
@@ -520,13 +514,6 @@ def generate(
     Returns:
       One SpeculativeOutput per prompt, in order: token_ids, finish_reason and the cycle stats.
     """
-    if isinstance(gamma, str) and gamma == "auto":
-        from jaxinfer.speculative.cycle_log import choose_gamma  # cycle_log imports this module
-
-        gamma = choose_gamma(
-            target, draft, prompts, sampling, acceptance=acceptance, block_size=block_size,
-            backend=backend, ngram_max=ngram_max,
-        ).gamma  # fmt: skip
     prep = prepare_run(
         target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
     )

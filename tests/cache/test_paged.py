@@ -53,14 +53,14 @@ def test_take_and_scatter_equal_plain_indexing_bit_for_bit(dtype):
         return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8)) if x.dtype.itemsize == 1 \
             else np.asarray(x).view(np.uint8)  # fmt: skip
 
-    got = jax.jit(lambda p: take_pages(p, index))(pages)
+    got = jax.jit(lambda p: take_pages(p, index, "cpu"))(pages)
     assert got.dtype == pages.dtype and got.shape == (2, 2, 3, 4, 8)
     np.testing.assert_array_equal(as_bits(got), as_bits(pages[index]))
 
     blk, off = jnp.asarray([5, 1]), jnp.asarray([3, 0])
     values = jnp.asarray(rng.standard_normal((2, 3, 8)) * 4, jnp.float32)
     where = (0, blk, slice(None), off)
-    got = jax.jit(lambda p, v: _scatter(p, where, v))(pages, values)
+    got = jax.jit(lambda p, v: _scatter(p, where, v, "cpu"))(pages, values)
     want = pages.at[where].set(values.astype(dtype))
     np.testing.assert_array_equal(as_bits(got), as_bits(want))
     assert not np.array_equal(as_bits(got), as_bits(pages))  # something was written

@@ -18,7 +18,8 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.engine import STEP_TRACE_COUNTS, Engine, EngineConfig
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.engine import engine as engine_mod
 from jaxinfer.engine.engine import _copy_groups, _stop_ids
 from jaxinfer.sampling import SamplingBatch, process_logits
 from tests.helpers import random_params
@@ -36,6 +37,11 @@ ECFG = EngineConfig(
     min_block_bucket=16,  # M fixed at 16 (64 positions) for every workload below
     min_seq_bucket=8,  # B fixed at max_num_seqs
 )
+
+
+def _compiles() -> dict[str, int]:
+    """Programs compiled so far by the engine's jitted step and block copy (their own caches)."""
+    return {"step": engine_mod._step._cache_size(), "copy": engine_mod._copy._cache_size()}
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +232,7 @@ def test_parallel_sampling(params, greedy_ref):
         assert samples[j] == _dense_sample(params, PROMPTS[1], sampled[1], j)
     assert outs[2].token_ids == ref[2].token_ids and len(outs[2].samples) == 1
     # Prompts of 3 and 6 tokens end inside a block: the first append copies it (CoW).
-    assert engine.allocator.num_cow_copies >= 2 * 2 and STEP_TRACE_COUNTS["copy"] >= 1
+    assert engine.allocator.num_cow_copies >= 2 * 2 and _compiles()["copy"] >= 1
     assert engine.allocator.num_used_blocks == 0
 
 
@@ -248,14 +254,14 @@ def test_parallel_sampling(params, greedy_ref):
 )
 def test_infeasible_request_refused_before_anything_runs(params, prompt, sp, ecfg_changes, match):
     engine = Engine(CFG, params, dataclasses.replace(ECFG, **ecfg_changes))
-    traces = dict(STEP_TRACE_COUNTS)
+    traces = _compiles()
     good = ji.SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match=match):
         engine.generate([[1, 2, 3], prompt, [4, 5]], [good, sp, good])
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, sp)
     assert not engine.has_unfinished() and engine.num_steps == 0
-    assert engine.metrics().num_requests == 0 and dict(STEP_TRACE_COUNTS) == traces
+    assert engine.metrics().num_requests == 0 and _compiles() == traces
     assert engine.allocator.num_used_blocks == 0
 
 
@@ -313,9 +319,9 @@ def test_compile_count_is_bounded_and_reused(params):
 
     def run():
         engine = Engine(CFG, params, ECFG)
-        before = STEP_TRACE_COUNTS["step"]
+        before = _compiles()["step"]
         outs = engine.generate(prompts, sps)
-        return engine, STEP_TRACE_COUNTS["step"] - before, outs
+        return engine, _compiles()["step"] - before, outs
 
     engine, compiled, outs = run()
     t_buckets = {16, 32, 64, 128, 256}

@@ -1,0 +1,267 @@
+"""A serving simulator: the engine's own `Scheduler` and `BlockAllocator` on a virtual clock.
+
+    model = LinearStepTime.fit(measured)                # or RooflineStepTime(preset("llama2-7b"))
+    sim = Simulator(EngineConfig(...), model)
+    summary = sim.run([SimRequest(arrival_s, prompt, max_tokens), ...], slo=SLO(0.5, 0.05))
+
+Where the engine runs a jitted step, the simulator advances a clock by the time a step-time model
+predicts for that step's shape; everything else is the engine's code: the same `Scheduler`
+(continuous batching, chunked prefill, prefix caching, preemption), the same `BlockAllocator`,
+the same `MetricsCollector` giving TTFT, TPOT and goodput. A request runs to its `max_tokens`
+(the sampled ids are placeholders, not a model's, so no stop token ends it early: replay engine
+runs with `ignore_eos` or a trace's output lengths). Prefix-cache hits on prompts are exact;
+hits on generated tokens (recompute after preemption) see placeholders.
+
+The engine pads each step to buckets (`step_shape`); a step's cost follows the padded shape, so
+the models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least squares on measured steps)
+and `RooflineStepTime` (max of FLOPs over peak and bytes over bandwidth, per TP shard, for
+machines not here, e.g. an H200).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from jaxinfer.cache.allocator import BlockAllocator
+from jaxinfer.cache.metadata import bucket
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import Schedule, Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What one engine step computes, as padded by the engine (`Engine._run`)."""
+
+    num_tokens: int  # real tokens (sum of q_len)
+    num_seqs: int  # real sequences
+    context_tokens: int  # sum over sequences of the context read (start_pos + q_len)
+    padded_tokens: int  # T bucket
+    padded_seqs: int  # B bucket
+    padded_blocks: int  # M bucket (blocks per sequence)
+
+
+def step_shape(schedule: Schedule, config: EngineConfig) -> StepShape:
+    """The padded (T, B, M) the engine runs `schedule` at, with the real counts beside them."""
+    seqs = schedule.seqs
+    rows = sum(len(s.sample_seq_ids) for s in seqs)
+    return StepShape(
+        num_tokens=schedule.num_batched_tokens,
+        num_seqs=len(seqs),
+        context_tokens=sum(s.start_pos + len(s.token_ids) for s in seqs),
+        padded_tokens=bucket(schedule.num_batched_tokens, config.min_token_bucket),
+        padded_seqs=bucket(max(len(seqs), rows), config.min_seq_bucket),
+        padded_blocks=bucket(max(len(s.block_table) for s in seqs), config.min_block_bucket),
+    )
+
+
+# --------------------------------------------------------------------------- step-time models
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearStepTime:
+    """t = c0 + c1 * T + c2 * B * M (seconds), T, B, M the padded step shape.
+
+    c1 prices the token-proportional work (weights applied to T rows), c2 the attention's page
+    reads (B rows over M blocks each). Fitted by least squares, coefficients clipped at 0.
+    """
+
+    c0: float
+    c1: float
+    c2: float
+
+    @staticmethod
+    def features(shape: StepShape) -> np.ndarray:
+        return np.array([1.0, shape.padded_tokens, shape.padded_seqs * shape.padded_blocks])
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepShape, float]]) -> LinearStepTime:
+        """Least squares on `(shape, measured seconds)` pairs (at least 3)."""
+        if len(samples) < 3:
+            raise ValueError(f"LinearStepTime.fit needs >= 3 measured steps, got {len(samples)}")
+        x = np.stack([cls.features(s) for s, _ in samples])  # [N, 3]
+        y = np.array([t for _, t in samples])  # [N]
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        coef = np.maximum(coef, 0.0)
+        if coef[0] == 0.0:  # keep the intercept honest when the slopes were clipped
+            coef[0] = max(float(np.mean(y - x[:, 1:] @ coef[1:])), 0.0)
+        return cls(*map(float, coef))
+
+    def __call__(self, shape: StepShape) -> float:
+        return float(self.features(shape) @ np.array([self.c0, self.c1, self.c2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator's roofline."""
+
+    name: str
+    flops: float  # dense FLOP/s at the weight dtype
+    bandwidth: float  # HBM bytes/s
+    step_overhead_s: float = 0.0  # launch + host time per step
+
+
+H200 = Hardware("H200", flops=989e12, bandwidth=4.8e12, step_overhead_s=0.5e-3)
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineStepTime:
+    """max(FLOPs / peak, bytes / bandwidth) per step, on `tp` devices splitting the work evenly.
+
+    FLOPs: 2 * parameters * real tokens + attention (4 * H * D * context per token, i.e. QK^T and
+    PV). Bytes: every weight once per step (the decode regime) plus the K/V context read,
+    2 * L * K * D * itemsize per context token. Collectives are not priced (an NVLink all-reduce
+    of T * E activations is small beside the weights at these batch sizes; an assumption).
+    """
+
+    cfg: ModelConfig
+    hw: Hardware = H200
+    tp: int = 1
+    weight_bytes: int | None = None  # None: cfg.num_params() * itemsize (dense weights)
+
+    def __call__(self, shape: StepShape) -> float:
+        cfg = self.cfg
+        item = np.dtype(cfg.jnp_dtype).itemsize
+        w = self.weight_bytes if self.weight_bytes is not None else cfg.num_params() * item
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+        attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * shape.context_tokens
+        flops = 2 * cfg.num_params() * shape.num_tokens + attn
+        nbytes = w + kv_per_token * shape.context_tokens
+        return max(flops / self.hw.flops, nbytes / self.hw.bandwidth) / self.tp + (
+            self.hw.step_overhead_s
+        )
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+    """One request of a workload or trace."""
+
+    arrival_s: float
+    prompt_token_ids: Sequence[int]
+    max_tokens: int  # output length: the simulated request runs to it
+    request_id: Hashable | None = None
+    n: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _SimSampling:  # what the scheduler reads of SamplingParams
+    max_tokens: int
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class SimResult:
+    """A simulated run: the engine's metrics, and each step's shape and predicted time."""
+
+    metrics: MetricsCollector
+    steps: list[tuple[StepShape, float]]
+    num_preemptions: int
+
+    def summary(self, slo: SLO | None = None) -> MetricsSummary:
+        return self.metrics.summary(slo)
+
+
+class Simulator:
+    """Drives the engine's scheduler and allocator with a step-time model instead of a device.
+
+    Args:
+      config: the engine config simulated (pool, limits, buckets; backend and dtypes unused).
+      step_time: StepShape -> seconds (`LinearStepTime`, `RooflineStepTime`, or any callable).
+    """
+
+    def __init__(self, config: EngineConfig, step_time: Callable[[StepShape], float]):
+        self.config = config
+        self.step_time = step_time
+
+    def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
+        """Replays `requests` (any order; by arrival) to completion on a virtual clock.
+
+        Raises:
+          ValueError: a request the engine would refuse at admission (the scheduler's checks).
+          RuntimeError: no progress (nothing schedulable, no arrival left) or `max_steps` passed.
+        """
+        cfg = self.config
+        allocator = BlockAllocator(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        scheduler = Scheduler(cfg.scheduler_config(), allocator)
+        clock = [0.0]
+        metrics = MetricsCollector(lambda: clock[0])
+        pending = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
+        pending = [(r.request_id if r.request_id is not None else i, r) for i, r in pending]
+        steps: list[tuple[StepShape, float]] = []
+        head = 0
+        while head < len(pending) or scheduler.has_unfinished():
+            while head < len(pending) and pending[head][1].arrival_s <= clock[0]:
+                rid, r = pending[head]
+                sp = _SimSampling(int(r.max_tokens), int(r.n))
+                metrics.on_arrival(rid, len(r.prompt_token_ids), r.arrival_s)
+                scheduler.add_request(Request(rid, list(r.prompt_token_ids), sp, r.arrival_s))
+                head += 1
+            schedule = scheduler.schedule()
+            if schedule.is_empty:
+                scheduler.update(schedule, {})
+                if head < len(pending) and not schedule.preempted_seq_ids:
+                    clock[0] = max(clock[0], pending[head][1].arrival_s)  # idle until arrival
+                    continue
+                if not schedule.preempted_seq_ids:
+                    raise RuntimeError("the scheduler cannot make progress on the waiting requests")
+                continue
+            shape = step_shape(schedule, cfg)
+            dt = float(self.step_time(shape))
+            clock[0] += dt
+            steps.append((shape, dt))
+            if len(steps) > max_steps:
+                raise RuntimeError(f"simulation passed max_steps={max_steps}")
+            sampled = {sid: [0] for s in schedule.seqs for sid in s.sample_seq_ids}
+            outs = scheduler.update(schedule, sampled)
+            per_request: dict[Hashable, int] = {}
+            for o in outs:
+                per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
+            for rid, n in per_request.items():
+                metrics.on_tokens(rid, n)
+            for o in outs:
+                if o.request_finished and metrics.requests[o.request_id].finish_time is None:
+                    metrics.on_finish(o.request_id)
+            usage = allocator.usage()
+            metrics.on_step(
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                num_batched_tokens=schedule.num_batched_tokens,
+                num_preempted=len(schedule.preempted_seq_ids),
+                kv_used_blocks=usage.num_used_blocks,
+                kv_total_blocks=usage.num_total_blocks,
+                kv_filled_slots=usage.num_filled_slots,
+                block_size=usage.block_size,
+                prefix_cache_hits=allocator.prefix_cache_hits,
+                prefix_cache_queries=allocator.prefix_cache_queries,
+            )
+        return SimResult(metrics, steps, scheduler.num_preemptions)
+
+
+def poisson_workload(
+    rate: float,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    *,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[SimRequest]:
+    """Requests arriving as a Poisson process of `rate` per second, random prompts of the given
+    lengths (zip of `prompt_lens`, `output_lens`); `rate = math.inf`: all at t = 0."""
+    rng = np.random.default_rng(seed)
+    n = len(prompt_lens)
+    gaps = np.zeros(n) if math.isinf(rate) else rng.exponential(1.0 / rate, n)
+    arrivals = np.cumsum(gaps) - (0 if math.isinf(rate) else gaps[0])
+    return [
+        SimRequest(float(t), rng.integers(1, vocab_size, p).tolist(), int(o), request_id=i)
+        for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))
+    ]
