@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
+from jaxinfer.gguf import find_gguf, load_gguf
 from jaxinfer.model.params import check_params, param_shapes
 from jaxinfer.tokenizer import load_tokenizer as load_tokenizer  # re-exported: ji.load_tokenizer
 from jaxinfer.tokenizer import save_tokenizer
@@ -117,8 +118,6 @@ def load_checkpoint(
       config.json; naming the tensor for a missing, unexpected, mis-shaped, non-float or
       non-finite tensor; and for pickle-only directories.
     """
-    from jaxinfer.gguf import find_gguf, load_gguf
-
     gguf_file = find_gguf(path)
     if gguf_file is not None:
         return load_gguf(

@@ -16,13 +16,24 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from jaxinfer.qtensor import Int4Weight, Int8Weight
 
 GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
-KEPT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# By name: comparing `tensor_type.name` keeps the gguf library unimported until a file is read.
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 _SHIFTS = (4 * np.arange(8, dtype=np.uint32))[:, None]  # [8, 1] nibble j at bits 4j
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes convert_hf_to_gguf's q/k permutation on the output rows of `w [out, ...]`.
+
+    ggml's RoPE rotates adjacent pairs (2i, 2i+1) of a head; HF's rotates (i, i + D/2). The
+    converter reorders each head's rows as `reshape(H, 2, D/2).swapaxes(1, 2)`; this is its
+    inverse, `reshape(H, D/2, 2).swapaxes(1, 2)`.
+    """
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def split_blocks(t) -> dict[str, np.ndarray]:
@@ -35,11 +46,11 @@ def split_blocks(t) -> dict[str, np.ndarray]:
     d_in, d_out = (int(n) for n in t.shape)
     raw = np.asarray(t.data, np.uint8).reshape(d_out, d_in // GROUP, -1)  # [out, nb, bytes]
     fields = {"d": raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)}
-    if t.tensor_type == GGMLQuantizationType.Q8_0:
+    if t.tensor_type.name == "Q8_0":
         q = raw[..., 2:34].copy().view(np.int8)  # [out, nb, 32]
     else:
         start = 2
-        if t.tensor_type == GGMLQuantizationType.Q4_1:
+        if t.tensor_type.name == "Q4_1":
             fields["m"] = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             start = 4
         qs = raw[..., start : start + 16]  # [out, nb, 16]
@@ -63,17 +74,15 @@ def stacked_quantized(tensors, dtype, permute_heads=None, *, stacked: bool = Tru
       dtype: the activation dtype, for the int4 scales and mins (float32 / float16 hold the
         float16 block scales exactly).
       permute_heads: head count of a llama q/k projection: its output rows are unpermuted
-        (see `loader.unpermute_rows`), which moves whole rows, so the blocks stay intact.
+        (`unpermute_rows`), which moves whole rows, so the blocks stay intact.
       stacked: stack the layers on a leading axis (False: a single tensor, no layer axis).
 
     Returns:
       An `Int4Weight` (Q4_0, Q4_1) or a grouped W8A16 `Int8Weight` (Q8_0), or None when the
       tensors are not all of one of these types.
     """
-    from jaxinfer.gguf.loader import unpermute_rows
-
-    qtype = tensors[0].tensor_type
-    if qtype not in KEPT_TYPES or any(t.tensor_type != qtype for t in tensors):
+    qtype = tensors[0].tensor_type.name
+    if qtype not in KEPT_TYPES or any(t.tensor_type.name != qtype for t in tensors):
         return None
     per_layer = []
     for t in tensors:
@@ -85,7 +94,7 @@ def stacked_quantized(tensors, dtype, permute_heads=None, *, stacked: bool = Tru
         k: np.stack([f[k] for f in per_layer]) if stacked else per_layer[0][k] for k in per_layer[0]
     }
     d_in, d_out = (int(n) for n in tensors[0].shape)
-    if qtype == GGMLQuantizationType.Q8_0:
+    if qtype == "Q8_0":
         return Int8Weight(
             q=jnp.asarray(arrays["q"]),
             scales=jnp.asarray(arrays["d"]),  # float32, exact
@@ -93,7 +102,7 @@ def stacked_quantized(tensors, dtype, permute_heads=None, *, stacked: bool = Tru
             shape=(d_in, d_out),
             group_size=GROUP,
         )
-    zero = 8 if qtype == GGMLQuantizationType.Q4_0 else 0
+    zero = 8 if qtype == "Q4_0" else 0
     return Int4Weight(
         packed=jnp.asarray(_pack(arrays["q"])),
         scales=jnp.asarray(arrays["d"], dtype),

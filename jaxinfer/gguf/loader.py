@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.gguf.blocks import stacked_quantized, unpermute_rows
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _MAGIC = b"GGUF"
@@ -217,17 +219,6 @@ def _ggml_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
     }[leaf]
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes convert_hf_to_gguf's q/k permutation on the output rows of `w [out, ...]`.
-
-    ggml's RoPE rotates adjacent pairs (2i, 2i+1) of a head; HF's rotates (i, i + D/2). The
-    converter reorders each head's rows as `reshape(H, 2, D/2).swapaxes(1, 2)`; this is its
-    inverse, `reshape(H, D/2, 2).swapaxes(1, 2)`.
-    """
-    out = w.shape[0]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def dequantize_tensor(t) -> np.ndarray:
     """A reader tensor as float32 numpy `(ne[-1], ..., ne[0])`, by `gguf.quants.dequantize`."""
     from gguf import quants
@@ -309,8 +300,6 @@ def load_gguf(
     for leaf, items in by_leaf.items():
         qw = None
         if keep_quantized and leaf in _LINEARS:
-            from jaxinfer.gguf.blocks import stacked_quantized
-
             qw = stacked_quantized(
                 [t for _, t in items], dt, _permute_heads(cfg, arch, items[0][0])
             )
@@ -318,15 +307,11 @@ def load_gguf(
             qw = jnp.asarray(np.stack([_dense(t, cfg, arch, k) for k, t in items]), dt)
         params["layers"][leaf] = qw
     if keep_quantized:
-        from jaxinfer.gguf.blocks import stacked_quantized
-
         head = tensors["output.weight" if "lm_head" in params else "token_embd.weight"]
         qhead = stacked_quantized([head], dt, None, stacked=False)
         if qhead is not None:
             params["lm_head"] = qhead
     if check_finite:
-        from jaxinfer import tensor_checks
-
         leaves = jax.tree_util.tree_leaves_with_path(params)
         named = [
             (jax.tree_util.keystr(p), a) for p, a in leaves if jnp.issubdtype(a.dtype, jnp.floating)
