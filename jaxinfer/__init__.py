@@ -25,9 +25,6 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.generate import GenerationOutput, generate
 from jaxinfer.scoring import score
 
-# ---------------------------------------------------------------- scale-out
-from jaxinfer.distributed.sharding import shard_params
-
 # ---------------------------------------------------------------- subpackages (lazy)
 # Imported on first use so `import jaxinfer` stays light: ji.quant, ji.speculative, ...
 _LAZY = (
@@ -41,6 +38,8 @@ def __getattr__(name):
         return importlib.import_module(f"jaxinfer.{name}")
     if name in ("Engine", "EngineConfig"):
         return getattr(importlib.import_module("jaxinfer.engine"), name)
+    if name == "shard_params":  # scale-out; lazy because flax (which it uses) loads Pallas
+        return importlib.import_module("jaxinfer.distributed").shard_params
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
 
 
