@@ -27,13 +27,13 @@ Every mutating method is all-or-nothing: on `NoFreeBlocksError` the state is unc
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-NULL_BLOCK = 0  # reserved for padding; never allocated
+from jaxinfer.cache import allocator_state
+from jaxinfer.cache.allocator_state import NULL_BLOCK, cdiv
 
 BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
 
@@ -60,24 +60,6 @@ class _CachedBlock:
 
 
 @dataclasses.dataclass(frozen=True)
-class _AllocatorState:
-    """What `BlockAllocator.save_state` keeps (see there)."""
-
-    refcount: list[int]
-    free: collections.deque
-    evictable: collections.OrderedDict
-    tables: dict
-    num_slots: dict
-    tokens: dict  # seq -> (its token list or None, its length then)
-    chain: dict  # seq -> (its hash list, its length then)
-    broken: set
-    hash_to_block: dict
-    cached: dict
-    children: dict
-    counters: tuple[int, int, int, int]
-
-
-@dataclasses.dataclass(frozen=True)
 class KVUsage:
     """A snapshot of pool occupancy, for metrics."""
 
@@ -87,10 +69,6 @@ class KVUsage:
     num_free_blocks: int  # refcount 0, holding nothing
     num_filled_slots: int  # slots of used blocks that hold a token of some sequence
     block_size: int  # S
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockAllocator:
@@ -236,121 +214,19 @@ class BlockAllocator:
 
     def snapshot(self) -> dict:
         """A deep copy of every piece of state, for comparing before and after an operation."""
-        return copy.deepcopy(
-            {
-                "refcount": list(self._refcount),
-                "free": list(self._free),
-                "evictable": list(self._evictable),
-                "tables": self._tables,
-                "num_slots": self._num_slots,
-                "tokens": self._tokens,
-                "chain": self._chain,
-                "broken": sorted(self._broken),
-                "hash_to_block": self._hash_to_block,
-                "cached": self._cached,
-                "children": self._children,
-                "counters": (
-                    self.prefix_cache_queries,
-                    self.prefix_cache_hits,
-                    self.num_evictions,
-                    self.num_cow_copies,
-                ),
-            }
-        )
+        return allocator_state.snapshot(self)
 
     def check_invariants(self) -> None:
-        """Raises AssertionError naming the first broken invariant of the bookkeeping.
+        """Raises AssertionError naming the first broken invariant (`allocator_state`)."""
+        allocator_state.check_invariants(self)
 
-        Refcounts equal the tables holding each block; used, cached-evictable and free blocks
-        partition the usable blocks; the null block is never held; every table covers exactly
-        its slots; the prefix index, the registered blocks and their parent links agree, and
-        every registered block's parent is registered (or the null block).
-        """
-        usable = set(range(1, self.num_blocks))
-        holders = collections.Counter(b for t in self._tables.values() for b in t)
-        assert NULL_BLOCK not in holders, "the null block is in a block table"
-        assert set(holders) <= usable, f"unknown blocks in tables: {set(holders) - usable}"
-        for b in range(self.num_blocks):
-            assert self._refcount[b] == holders[b], (
-                f"block {b}: refcount {self._refcount[b]} but {holders[b]} tables hold it"
-            )
-        free, evictable = list(self._free), list(self._evictable)
-        assert len(set(free)) == len(free), "a block is twice in the free list"
-        assert not set(free) & set(evictable), "a block is both free and evictable"
-        assert not (set(free) | set(evictable)) & set(holders), "a held block is free/evictable"
-        assert set(free) | set(evictable) | set(holders) == usable, "a block is lost"
-        assert all(b in self._cached for b in evictable), "an evictable block is not cached"
-        assert not any(b in self._cached for b in free), "a free block is still cached"
-        for sid, table in self._tables.items():
-            n = self._num_slots[sid]
-            assert len(table) == _cdiv(n, self.block_size), f"seq {sid}: table != its slots"
-            tokens = self._tokens[sid]
-            assert tokens is None or len(tokens) == n, f"seq {sid}: tokens != its slots"
-            assert len(self._chain[sid]) <= n // self.block_size, f"seq {sid}: chain too long"
-        assert set(self._hash_to_block.values()) == set(self._cached), "prefix index mismatch"
-        for b, entry in self._cached.items():
-            assert self._hash_to_block[entry.block_hash] == b, f"block {b}: index mismatch"
-            assert entry.parent == NULL_BLOCK or entry.parent in self._cached, (
-                f"registered block {b} has an unregistered parent {entry.parent}"
-            )
-            assert b in self._children.get(entry.parent, ()), f"block {b}: not its parent's child"
-        for parent, kids in self._children.items():
-            assert kids, f"block {parent}: empty children set"
-            assert all(self._cached[k].parent == parent for k in kids), f"block {parent}: kids"
+    def save_state(self) -> allocator_state.AllocatorState:
+        """The state now, for `restore_state`; O(blocks + sequences), no token lists copied."""
+        return allocator_state.save_state(self)
 
-    def save_state(self) -> _AllocatorState:
-        """The state now, for `restore_state`; O(blocks + sequences), no token lists copied.
-
-        Token and hash lists only grow between a save and a restore (the scheduler's steps),
-        so the saved state keeps each list with its length and truncates it on restore.
-        """
-        return _AllocatorState(
-            refcount=list(self._refcount),
-            free=collections.deque(self._free),
-            evictable=collections.OrderedDict(self._evictable),
-            tables={s: list(t) for s, t in self._tables.items()},
-            num_slots=dict(self._num_slots),
-            tokens={s: (t, None if t is None else len(t)) for s, t in self._tokens.items()},
-            chain={s: (c, len(c)) for s, c in self._chain.items()},
-            broken=set(self._broken),
-            hash_to_block=dict(self._hash_to_block),
-            cached=dict(self._cached),
-            children={b: set(k) for b, k in self._children.items()},
-            counters=(
-                self.prefix_cache_queries,
-                self.prefix_cache_hits,
-                self.num_evictions,
-                self.num_cow_copies,
-            ),
-        )
-
-    def restore_state(self, state: _AllocatorState) -> None:
-        """Returns to a state from `save_state`, provided the token and hash lists of the
-        sequences then alive were only appended to since (true of any scheduler steps)."""
-        self._refcount = list(state.refcount)
-        self._free = collections.deque(state.free)
-        self._evictable = collections.OrderedDict(state.evictable)
-        self._tables = {s: list(t) for s, t in state.tables.items()}
-        self._num_slots = dict(state.num_slots)
-        self._tokens = {}
-        for s, (tokens, n) in state.tokens.items():
-            if tokens is not None:
-                del tokens[n:]
-            self._tokens[s] = tokens
-        self._chain = {}
-        for s, (chain, n) in state.chain.items():
-            del chain[n:]
-            self._chain[s] = chain
-        self._broken = set(state.broken)
-        self._hash_to_block = dict(state.hash_to_block)
-        self._cached = dict(state.cached)
-        self._children = {b: set(k) for b, k in state.children.items()}
-        (
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.num_evictions,
-            self.num_cow_copies,
-        ) = state.counters
+    def restore_state(self, state: allocator_state.AllocatorState) -> None:
+        """Returns to a state from `save_state` (see `allocator_state.restore_state`)."""
+        allocator_state.restore_state(self, state)
 
     # ---------------------------------------------------------------------------- mutations
 
@@ -432,7 +308,7 @@ class BlockAllocator:
             return []
         length = self._num_slots[seq_id]
         cow = length % self.block_size != 0 and self._refcount[table[-1]] > 1
-        grow = _cdiv(length + k, self.block_size) - len(table)
+        grow = cdiv(length + k, self.block_size) - len(table)
         needed = grow + int(cow)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(needed, self.num_free_blocks)
@@ -551,7 +427,7 @@ class BlockAllocator:
             matched, hashes = self._walk_prefix(token_ids, (n - 1) // self.block_size)
         # A hit on an evictable block takes it out of the evictable pool.
         evictable_hits = sum(1 for b in matched if self._refcount[b] == 0)
-        needed = _cdiv(n, self.block_size) - len(matched)
+        needed = cdiv(n, self.block_size) - len(matched)
         return needed, self.num_free_blocks - evictable_hits, matched, hashes
 
     def _walk_prefix(
