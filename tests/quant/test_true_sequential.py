@@ -221,9 +221,11 @@ def test_partial_tap_stats_compile_once_per_tap():
 
 
 def test_true_sequential_must_be_a_bool():
-    for bad in (1, "yes", None, np.bool_(True)):
+    for bad in (1, "yes", None):
         with pytest.raises(ValueError, match=r"true_sequential=.*expected a bool"):
             QuantConfig("gptq", true_sequential=bad)
+    # numpy scalars of the right kind are accepted as Python values (issue 15, cause 3).
+    assert QuantConfig("gptq", true_sequential=np.bool_(True)).true_sequential is True
     q = QuantConfig("gptq", bits=3, true_sequential=False)
     assert QuantConfig.from_dict(q.to_dict()) == q
     old = {k: v for k, v in q.to_dict().items() if k != "true_sequential"}
