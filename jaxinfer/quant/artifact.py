@@ -26,7 +26,7 @@ from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.model.params import check_params
 from jaxinfer.qtensor import Int4Weight, Int8Weight
-from jaxinfer.quant.calibrate import QuantConfig
+from jaxinfer.quant.config import QuantConfig
 
 FORMAT = "jaxinfer-quant"
 FORMAT_VERSION = 1

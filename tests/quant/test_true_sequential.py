@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import init_params
-from jaxinfer.model.decoder import decoder_layer_dense
+from jaxinfer.model.decoder import decoder_layer_dense, decoder_layer_dense_taps
 from jaxinfer.model.params import LINEAR_NAMES
 from jaxinfer.qtensor import dequantize, resolve_group_size
 from jaxinfer.quant import calibrate, gptq
@@ -48,7 +48,7 @@ def direct_hessians(cfg, params, qparams, calib, *, sequential=True) -> list[dic
         lp, qlp = layer(params, i), layer(qparams, i)
         mixed, hs = dict(lp), {}
         for tap, names in calibrate.SEQUENTIAL_GROUPS:
-            _, taps = calibrate.layer_taps(mixed, cfg, x)
+            _, taps = decoder_layer_dense_taps(x, mixed, cfg)
             X = np.asarray(taps[tap], np.float64).reshape(-1, taps[tap].shape[-1])
             hs[tap] = 2.0 * X.T @ X / calib.size
             if sequential:
@@ -221,9 +221,11 @@ def test_partial_tap_stats_compile_once_per_tap():
 
 
 def test_true_sequential_must_be_a_bool():
-    for bad in (1, "yes", None, np.bool_(True)):
+    for bad in (1, "yes", None):
         with pytest.raises(ValueError, match=r"true_sequential=.*expected a bool"):
             QuantConfig("gptq", true_sequential=bad)
+    # numpy bools are bools (the policy of `jaxinfer.checks`), stored as Python bools
+    assert QuantConfig("gptq", true_sequential=np.bool_(True)).true_sequential is True
     q = QuantConfig("gptq", bits=3, true_sequential=False)
     assert QuantConfig.from_dict(q.to_dict()) == q
     old = {k: v for k, v in q.to_dict().items() if k != "true_sequential"}
