@@ -42,9 +42,6 @@ OVERSIZED = {
     # Being rewritten by other open changes of issue 14 (request path).
     "jaxinfer/engine/engine.py": 501,
     "jaxinfer/speculative/loop.py": 521,
-    # Not split yet.
-    "jaxinfer/data.py": 558,
-    "jaxinfer/eval.py": 522,
 }
 
 
