@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxinfer.checks import as_int
 from jaxinfer.corpus import (
     ASSETS_DIR,
     CALIB_MAX_BYTES,
@@ -279,7 +280,7 @@ def _check_stream(stream: np.ndarray, min_len: int) -> np.ndarray:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, (int, np.integer)) or value < 1:
+    if as_int(value) is None or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

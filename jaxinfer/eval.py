@@ -10,8 +10,8 @@ predicted tokens, each predicted exactly once (`jaxinfer.data.eval_windows`).
 Every measure runs the one scoring loop `_score` over a list of models: a jitted logits function
 per model (`jaxinfer.window_logits`: the dense forward, or the paged forward over a fresh cache
 of a KV format), then jitted per-window sums of cross entropy and correct top-1 and, against the
-first model, of KL and argmax agreement. Batches are padded to a fixed size so each runs one compilation; padded windows
-are dropped on the host.
+first model, of KL and argmax agreement. Batches are padded to a fixed size so each runs one
+compilation; padded windows are dropped on the host.
 
 Serving numerics (`lm_stats_paged`, and `compare_to_reference` with a KV format): each window is
 prefilled as one ragged chunk with logits "all" through the paged `forward`, which writes its K/V
@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxinfer import data
 from jaxinfer.cache.paged import KV_FORMATS, check_block_size
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.losses import token_cross_entropy
 from jaxinfer.model.params import check_params
@@ -95,7 +96,7 @@ def _batches(windows: np.ndarray, batch_size: int, desc: str, progress: bool) ->
     """Yields (real count, [batch_size, S+1] batch), the last one padded with its last window."""
     from tqdm.auto import tqdm
 
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if as_int(batch_size) is None or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     n = windows.shape[0]
     starts = range(0, n, batch_size)
@@ -222,7 +223,7 @@ def greedy_agreement(
 
 def _check_sizes(block_size, batch_size) -> None:
     check_block_size(block_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if as_int(batch_size) is None or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
