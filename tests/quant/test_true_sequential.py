@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,9 +145,7 @@ def test_non_sequential_reproduces_float_layer_calibration_exactly(model, record
     off = dataclasses.replace(SEQ, true_sequential=False)
     got = quantize(CFG, params, off, calib)
     want = reference_non_sequential(CFG, params, off, calib)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(got, want)  # same tree, bit-identical leaves
     # Same first group (same layer-0 input), different later linears.
     seq = recorded[0]["layers"]
     for name in LINEAR_NAMES:
