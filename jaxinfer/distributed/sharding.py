@@ -29,7 +29,6 @@ import math
 
 import jax
 import numpy as np
-from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.cache.paged import PagedKVCache
@@ -130,6 +129,10 @@ def tp_mesh(cfg: ModelConfig, mesh: Mesh | int) -> Mesh:
 
 def spec(axes: tuple[str | None, ...]) -> PartitionSpec:
     """The PartitionSpec of logical `axes` under `RULES` (flax's logical partitioning)."""
+    # flax imports jax.extend, which loads Pallas: loaded on first use, so that
+    # `import jaxinfer` stays free of Pallas (tests/test_structure.py).
+    from flax import linen as nn
+
     return nn.logical_to_mesh_axes(axes, RULES)
 
 
