@@ -36,7 +36,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxinfer.cache.metadata import bucket
 from jaxinfer.chat import apply_chat_template
+from jaxinfer.scoring import score
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
@@ -115,8 +117,6 @@ class _Server:
 
     def prompt_logprobs(self, prompt: list[int], k: int) -> list:
         """Logprob entries of prompt tokens 1.. (token 0 has none), by a scoring pass."""
-        from jaxinfer.cache.metadata import bucket
-        from jaxinfer.scoring import score
 
         def run(eng):
             toks = np.zeros((1, bucket(len(prompt))), np.int32)  # causal: padding after is inert
