@@ -23,65 +23,12 @@ from safetensors.numpy import save_file
 from jaxinfer import tensor_checks
 from jaxinfer.config import ModelConfig, from_hf_config, to_hf_config
 from jaxinfer.gguf import find_gguf, load_gguf
+from jaxinfer.hf_names import IGNORED_SUFFIXES as _IGNORED_SUFFIXES
+from jaxinfer.hf_names import hf_names as _hf_names
+from jaxinfer.hf_names import tensor_files as _tensor_files
 from jaxinfer.model.params import check_params, param_shapes
 from jaxinfer.tokenizer import load_tokenizer as load_tokenizer  # re-exported: ji.load_tokenizer
 from jaxinfer.tokenizer import save_tokenizer
-
-# jaxinfer layer leaf -> (HF name inside `model.layers.{i}.`, transposed?)
-_LAYER_NAMES = {
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "attn_norm": ("input_layernorm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-}
-# Buffers some exporters write that carry no parameters.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _tensor_files(path: str) -> dict[str, str]:
-    """Maps every tensor name to the safetensors file holding it."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
-    if os.path.exists(single):
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
-    pickles = [f for f in sorted(os.listdir(path)) if f.endswith((".bin", ".pt", ".pth"))]
-    if pickles:
-        raise ValueError(
-            f"{path} holds only pickle checkpoints ({', '.join(pickles)}); jaxinfer refuses to "
-            "load them because unpickling can run arbitrary code. Convert them to safetensors "
-            "first, e.g. in a sandbox: AutoModelForCausalLM.from_pretrained(dir)"
-            ".save_pretrained(out_dir, safe_serialization=True)."
-        )
-    raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-
-
-def _hf_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
-    """(jaxinfer path) -> (HF tensor name, transposed?) for every expected tensor."""
-    names: dict[tuple, tuple[str, bool]] = {
-        ("embed",): ("model.embed_tokens.weight", False),
-        ("final_norm",): ("model.norm.weight", False),
-    }
-    if not cfg.tie_word_embeddings:
-        names[("lm_head",)] = ("lm_head.weight", True)
-    for leaf, (hf, tr) in _LAYER_NAMES.items():
-        if leaf in ("bq", "bk", "bv") and not cfg.attention_bias:
-            continue
-        for i in range(cfg.num_layers):
-            names[("layers", leaf, i)] = (f"model.layers.{i}.{hf}", tr)
-    return names
 
 
 def read_hf_config(path: str) -> dict:

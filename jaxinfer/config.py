@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxinfer.checks import as_int
+
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -87,17 +89,23 @@ class ModelConfig:
             "intermediate_size",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+            value = as_int(getattr(self, name))
+            if value is None or value < 1:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r} must be a positive int"
+                )
+            object.__setattr__(self, name, value)  # numpy ints stored as Python ints
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window!r} must be None or >= 1")
+        if self.sliding_window is not None:
+            window = as_int(self.sliding_window)
+            if window is None or window < 1:
+                raise ValueError(f"sliding_window={self.sliding_window!r} must be None or >= 1")
+            object.__setattr__(self, "sliding_window", window)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; expected one of {DTYPES}")
         if self.architecture not in ARCHITECTURES:
@@ -124,6 +132,25 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The config as a JSON-ready dict, every field by name (`from_dict` inverts it).
+
+        jaxinfer's own serialisation (artifacts, training runs); HF's config.json is
+        `to_hf_config`.
+        """
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """The config `to_dict` wrote; a missing field takes its default, an unknown one raises."""
+        d = dict(d)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
 
     def num_params(self) -> int:
         """Parameter count implied by the shapes (embeddings and head included)."""

@@ -8,10 +8,10 @@ Every measure runs over fixed next-token windows `[N, S+1]` (inputs `w[:, :-1]`,
 predicted tokens, each predicted exactly once (`jaxinfer.data.eval_windows`).
 
 Every measure runs the one scoring loop `_score` over a list of models: a jitted logits function
-per model (the dense forward, or the paged forward over a fresh cache of a KV format), then
-jitted per-window sums of cross entropy and correct top-1 and, against the first model, of KL and
-argmax agreement. Batches are padded to a fixed size so each runs one compilation; padded windows
-are dropped on the host.
+per model (`jaxinfer.window_logits`: the dense forward, or the paged forward over a fresh cache
+of a KV format), then jitted per-window sums of cross entropy and correct top-1 and, against the
+first model, of KL and argmax agreement. Batches are padded to a fixed size so each runs one
+compilation; padded windows are dropped on the host.
 
 Serving numerics (`lm_stats_paged`, and `compare_to_reference` with a KV format): each window is
 prefilled as one ragged chunk with logits "all" through the paged `forward`, which writes its K/V
@@ -22,7 +22,6 @@ into a fresh cache of the given format ("float", "int8", "fp8") and attends to t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Iterator
 
@@ -31,20 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import data
-from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
-from jaxinfer.cache.paged import KV_FORMATS, check_block_size, init_cache
+from jaxinfer.cache.paged import KV_FORMATS, check_block_size
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.losses import token_cross_entropy
-from jaxinfer.model.decoder import forward, forward_dense
 from jaxinfer.model.params import check_params
 from jaxinfer.ops.argmax import argmax
+from jaxinfer.window_logits import PAGED_BATCH_SIZE, check_kv_format, logits_fn
 
 EVAL_TOKENS = 65_536  # the standard token budget: the first 64 Ki tokens of the test stream
 EVAL_SEQ_LEN = 256  # the window the embedded models were trained on
 EVAL_BATCH_SIZE = 16  # windows per jitted forward
-# Windows per paged forward: the reference paged attention gathers every query's context,
-# [T, M, K, S, D] floats per layer, so paged batches stay small on CPU.
-PAGED_BATCH_SIZE = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +96,7 @@ def _batches(windows: np.ndarray, batch_size: int, desc: str, progress: bool) ->
     """Yields (real count, [batch_size, S+1] batch), the last one padded with its last window."""
     from tqdm.auto import tqdm
 
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if as_int(batch_size) is None or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     n = windows.shape[0]
     starts = range(0, n, batch_size)
@@ -157,7 +153,7 @@ def lm_stats(
     """
     check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
-    models = [_logits_fn(cfg, params, None, 16, "auto", batch_size)]
+    models = [logits_fn(cfg, params, None, 16, "auto", batch_size)]
     sums, n = _score(models, windows, batch_size, "eval", progress)
     ce, correct = sums[0, :2]
     return LMStats(num_tokens=n, nll=float(ce / n), accuracy=float(correct / n))
@@ -207,7 +203,7 @@ def pair_stats(
         raise ValueError(f"vocab sizes differ: target {cfg_a.vocab_size}, draft {cfg_b.vocab_size}")
     windows = _as_windows(cfg_a, tokens, seq_len, max_tokens)
     _as_windows(cfg_b, windows, seq_len, None)  # the draft's limits too
-    models = [_logits_fn(c, p, None, 16, "auto", batch_size) for c, p in (target, draft)]
+    models = [logits_fn(c, p, None, 16, "auto", batch_size) for c, p in (target, draft)]
     sums, n = _score(models, windows, batch_size, "agreement", progress, ce=False)
     _, _, kl, agree = sums[1]
     return PairStats(num_tokens=n, agreement=float(agree / n), kl=float(kl / n))
@@ -225,81 +221,10 @@ def greedy_agreement(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_kv_format(kv_format) -> None:
-    if kv_format is not None and kv_format not in KV_FORMATS:
-        raise ValueError(
-            f"kv_format={kv_format!r}; expected None (dense forward, no cache) or one of "
-            f"{KV_FORMATS} (paged forward)"
-        )
-
-
 def _check_sizes(block_size, batch_size) -> None:
     check_block_size(block_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if as_int(batch_size) is None or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-
-
-@functools.lru_cache(maxsize=16)
-def _paged_layout(num_windows: int, seq_len: int, block_size: int):
-    """Metadata of `num_windows` windows, each prefilled as one chunk with logits "all".
-
-    Window i owns blocks 1 + i·M .. (i+1)·M (block 0 is the null block). Only the tokens change
-    from batch to batch, so the layout is built once (numpy, tokens left zero).
-
-    Returns:
-      (metadata, num_blocks of the cache).
-    """
-    m = -(-seq_len // block_size)  # blocks per window
-    tables = contiguous_block_tables(num_windows, m)  # [B, M]
-    chunks = [
-        SeqChunk([0] * seq_len, 0, tables[i].tolist(), logits="all") for i in range(num_windows)
-    ]
-    t = num_windows * seq_len
-    meta, _ = build_metadata(
-        chunks, block_size, num_tokens=t, num_seqs=num_windows, max_blocks=m, num_logits=t
-    )
-    return meta, 1 + num_windows * m
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "kv_format", "num_blocks", "block_size", "backend")
-)
-def _paged_logits(params, inputs, meta, cfg, kv_format, num_blocks, block_size, backend):
-    """`inputs [B, S]` -> logits `[B, S, V]` through the paged forward and a fresh cache."""
-    bsz, n = inputs.shape
-    cache = init_cache(cfg, num_blocks, block_size, kv_format=kv_format)
-    meta = dataclasses.replace(meta, tokens=inputs.reshape(-1))  # [B*S], rows in window order
-    logits, _ = forward(params, cfg, meta, cache, backend=backend)  # [B*S, V]
-    return logits.reshape(bsz, n, -1)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _dense_logits(params, inputs, cfg):
-    return forward_dense(params, cfg, inputs)  # [B, S, V] float32
-
-
-def _logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size: int):
-    """A host function `inputs [batch_size, S] -> logits [batch_size, S, V]` for one model.
-
-    kv_format None: the dense forward. Otherwise the paged forward over a `kv_format` cache, in
-    sub-batches of at most PAGED_BATCH_SIZE windows (the largest divisor of batch_size).
-    """
-    if kv_format is None:
-        return lambda inputs: _dense_logits(params, inputs, cfg)
-    sub = max(d for d in range(1, min(batch_size, PAGED_BATCH_SIZE) + 1) if batch_size % d == 0)
-
-    def run(inputs):
-        meta, num_blocks = _paged_layout(sub, inputs.shape[1], block_size)
-        meta = jax.tree.map(jnp.asarray, meta)
-        parts = [
-            _paged_logits(
-                params, inputs[i : i + sub], meta, cfg, kv_format, num_blocks, block_size, backend
-            )
-            for i in range(0, inputs.shape[0], sub)
-        ]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-    return run
 
 
 @jax.jit
@@ -324,7 +249,7 @@ def _score(models, windows: np.ndarray, batch_size: int, desc: str, progress: bo
 
     Args:
       models: host functions `inputs [batch_size, S] -> logits [batch_size, S, V]`
-        (`_logits_fn`); the first is the reference of the KL and agreement columns.
+        (`logits_fn`); the first is the reference of the KL and agreement columns.
       windows: `[N, S+1]` validated windows.
       batch_size, desc, progress: as in `_batches`.
       ce: whether to compute the cross-entropy and top-1 columns.
@@ -388,11 +313,11 @@ def lm_stats_paged(
     """
     if kv_format is None:
         raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
-    _check_kv_format(kv_format)
+    check_kv_format(kv_format)
     _check_sizes(block_size, batch_size)
     check_params(cfg, params)
     windows = _as_windows(cfg, tokens, seq_len, max_tokens)
-    models = [_logits_fn(cfg, params, kv_format, block_size, backend, batch_size)]
+    models = [logits_fn(cfg, params, kv_format, block_size, backend, batch_size)]
     sums, n = _score(models, windows, batch_size, f"eval ({kv_format} KV)", progress)
     ce, correct = sums[0, :2]
     return LMStats(num_tokens=n, nll=float(ce / n), accuracy=float(correct / n))
@@ -454,7 +379,7 @@ def compare_to_reference(
                 f"got a {type(spec).__name__}"
             )
         cfg, params, kv = (*spec, None) if len(spec) == 2 else spec
-        _check_kv_format(kv)
+        check_kv_format(kv)
         if cfg.vocab_size != reference[0].vocab_size:
             raise ValueError(
                 f"{where}: vocab_size {cfg.vocab_size} differs from the reference's "
@@ -464,7 +389,7 @@ def compare_to_reference(
             check_params(cfg, params)
         except ValueError as e:
             raise ValueError(f"{where or 'reference'}: {e}") from None
-        models.append((cfg, _logits_fn(cfg, params, kv, block_size, backend, batch_size)))
+        models.append((cfg, logits_fn(cfg, params, kv, block_size, backend, batch_size)))
     windows = _as_windows(reference[0], tokens, seq_len, max_tokens)
     for cfg, _ in models[1:]:
         _as_windows(cfg, windows, seq_len, None)  # each candidate's limits too

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
 from jaxinfer.data import random_windows
 from jaxinfer.losses import distill_kl, lm_loss, token_cross_entropy
 from jaxinfer.model.decoder import forward_dense
@@ -106,17 +106,12 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         """The resolved config as a JSON object (`from_json` inverts it)."""
-        out = dataclasses.asdict(self)
-        out["model"] = dataclasses.asdict(self.model)
-        return out
+        return {**dataclasses.asdict(self), "model": self.model.to_dict()}
 
     @classmethod
     def from_json(cls, obj: dict) -> TrainConfig:
         obj = dict(obj)
-        model = dict(obj.pop("model"))
-        if model.get("rope_scaling") is not None:
-            model["rope_scaling"] = RopeScaling(**model["rope_scaling"])
-        return cls(model=ModelConfig(**model), **obj)
+        return cls(model=ModelConfig.from_dict(obj.pop("model")), **obj)
 
 
 # ---------------------------------------------------------------------------------------------

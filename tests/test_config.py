@@ -1,11 +1,20 @@
 """ModelConfig: HF config.json round trips, presets, and clear errors."""
 
+import json
+
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
 import jaxinfer as ji  # noqa: E402
-from jaxinfer.config import PRESETS, RopeScaling, from_hf_config, to_hf_config  # noqa: E402
+from jaxinfer.config import (  # noqa: E402
+    PRESETS,
+    ModelConfig,
+    RopeScaling,
+    from_hf_config,
+    to_hf_config,
+)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -96,3 +105,28 @@ def test_activations_cover_the_names():
     from jaxinfer.model.layers import ACTIVATIONS
 
     assert set(ACTIVATIONS) == set(HIDDEN_ACTS)
+
+
+def test_model_config_dict_round_trip():
+    """One serialiser (artifacts and training runs): every field, rope_scaling included."""
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        intermediate_size=48, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 1024),
+        sliding_window=16, hidden_act="gelu", dtype="bfloat16",
+    )  # fmt: skip
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert ModelConfig.from_dict(d) == cfg
+    old = {k: v for k, v in d.items() if k != "hidden_act"}  # written before the field existed
+    assert ModelConfig.from_dict(old).hidden_act == "silu"
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layer'\]"):
+        ModelConfig.from_dict({**d, "n_layer": 2})
+
+
+def test_model_config_ints_follow_the_checks_policy():
+    """numpy ints count as ints (stored as Python ints); bools and whole floats do not."""
+    cfg = ModelConfig(64, 32, np.int64(2), 4, 2, 8, 48, sliding_window=np.int32(16))
+    assert type(cfg.num_layers) is int and type(cfg.sliding_window) is int
+    assert cfg == ModelConfig(64, 32, 2, 4, 2, 8, 48, sliding_window=16)
+    for bad in (True, 2.0):
+        with pytest.raises(ValueError, match="num_layers"):
+            ModelConfig(64, 32, bad, 4, 2, 8, 48)

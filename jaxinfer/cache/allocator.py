@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxinfer.cache import allocator_state
 from jaxinfer.cache.allocator_state import NULL_BLOCK, cdiv
+from jaxinfer.checks import as_int
 
 BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
 
@@ -89,14 +90,14 @@ class BlockAllocator:
         enable_prefix_caching: bool = True,
         hash_fn: BlockHashFn | None = None,
     ):
-        if not isinstance(num_blocks, int) or num_blocks < 2:
+        if as_int(num_blocks) is None or num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}"
             )
-        if not isinstance(block_size, int) or block_size < 1:
+        if as_int(block_size) is None or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks = as_int(num_blocks)
+        self.block_size = as_int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._hash_fn = default_block_hash if hash_fn is None else hash_fn
 

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-NULL_BLOCK = 0  # reserved: padding tokens write here, padded block-table entries point here
+# Padding tokens write into the null block and padded block-table entries point at it.
+from jaxinfer.cache.allocator import NULL_BLOCK
 
 
 @jax.tree_util.register_dataclass

@@ -12,9 +12,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.cache.kv_formats import quantize_kv as _quantize_kv
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 
 KV_FORMATS = ("float", "int8", "fp8")
@@ -53,10 +53,10 @@ def check_block_size(block_size) -> int:
     Any S >= 1 is valid for the XLA and reference backends; the Pallas kernel also needs a
     power of two (it says so itself).
     """
-    is_int = isinstance(block_size, int | np.integer) and not isinstance(block_size, bool)
-    if not is_int or block_size < 1:
+    size = as_int(block_size)
+    if size is None or size < 1:
         raise ValueError(f"block_size={block_size!r} is invalid: expected an int >= 1")
-    return int(block_size)
+    return size
 
 
 def init_cache(

@@ -60,12 +60,12 @@ def paged_attention_block(
     return linear(out.reshape(t, cfg.num_heads * cfg.head_dim), lp["wo"], backend=backend), cache
 
 
-def dense_attention_block(
+def dense_attention_heads(
     h: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto"
 ) -> jax.Array:
-    """Causal self-attention over whole sequences: `h [B, S, E]` -> `[B, S, E]`."""
+    """Causal self-attention before the output projection: `h [B, S, E]` -> `[B, S, H*D]`."""
     bsz, n, _ = h.shape
     positions = jax.numpy.broadcast_to(jax.numpy.arange(n), (bsz, n))
     q, k, v = project_qkv(h, lp, cfg, positions, backend)
     out = dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window)  # [B, S, H, D]
-    return linear(out.reshape(bsz, n, cfg.num_heads * cfg.head_dim), lp["wo"], backend=backend)
+    return out.reshape(bsz, n, cfg.num_heads * cfg.head_dim)

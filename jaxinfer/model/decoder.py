@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import BatchMetadata
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.attention import dense_attention_block, paged_attention_block
-from jaxinfer.model.layers import rms_norm, swiglu
+from jaxinfer.model.attention import dense_attention_heads, paged_attention_block
+from jaxinfer.model.layers import gated_activation, rms_norm, swiglu
 from jaxinfer.model.params import lm_head
 from jaxinfer.ops.backend import resolve_backend
 from jaxinfer.ops.linear import linear
@@ -80,13 +80,37 @@ def forward(
     return logits_from_hidden(params, cfg, x[batch.logits_indices], backend), cache
 
 
+def decoder_layer_dense_taps(
+    x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto"
+) -> tuple[jax.Array, dict]:
+    """One full decoder layer over whole sequences that also returns the inputs of its linears.
+
+    Calibration reads the taps; `decoder_layer_dense` drops them (XLA removes the unused).
+
+    Args:
+      x: `[B, S, E]` hidden states entering the layer.
+      lp: one layer's params (no leading L axis).
+      cfg: the model config (static).
+      backend: kernel backend for quantized linears, see `jaxinfer.ops.BACKENDS`.
+
+    Returns:
+      (`[B, S, E]` output, taps {"attn_in" [B, S, E] (wq, wk, wv), "o_in" [B, S, H*D] (wo),
+      "mlp_in" [B, S, E] (w_gate, w_up), "down_in" [B, S, F] (w_down)}).
+    """
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)  # [B, S, E]
+    o = dense_attention_heads(h, lp, cfg, backend)  # [B, S, H*D]
+    x = x + linear(o, lp["wo"], backend=backend)
+    h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)  # [B, S, E]
+    a = gated_activation(h2, lp["w_gate"], lp["w_up"], backend, cfg.hidden_act)  # [B, S, F]
+    x = x + linear(a, lp["w_down"], backend=backend)
+    return x, {"attn_in": h, "o_in": o, "mlp_in": h2, "down_in": a}
+
+
 def decoder_layer_dense(
     x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto"
 ) -> jax.Array:
     """One full decoder layer over whole sequences: `x [B, S, E]` -> `[B, S, E]`."""
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    x = x + dense_attention_block(h, lp, cfg, backend)
-    return mlp_block(x, lp, cfg, backend)
+    return decoder_layer_dense_taps(x, lp, cfg, backend)[0]
 
 
 def forward_dense(

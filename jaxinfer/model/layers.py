@@ -67,6 +67,13 @@ ACTIVATIONS = {
 }
 
 
+def gated_activation(x: jax.Array, w_gate, w_up, backend: str = "auto", act: str = "silu"):
+    """act(gate(x)) * up(x), the input of the MLP's down projection: `[..., E] -> [..., F]`."""
+    gate = linear(x, w_gate, backend=backend)  # [..., F]
+    up = linear(x, w_up, backend=backend)  # [..., F]
+    return ACTIVATIONS[act](gate) * up
+
+
 def swiglu(
     x: jax.Array, w_gate, w_up, w_down, backend: str = "auto", act: str = "silu"
 ) -> jax.Array:
@@ -74,6 +81,4 @@ def swiglu(
 
     `act` is `cfg.hidden_act`: SiLU makes it Llama's SwiGLU, GELU the GeGLU of GELU checkpoints.
     """
-    gate = linear(x, w_gate, backend=backend)  # [..., F]
-    up = linear(x, w_up, backend=backend)  # [..., F]
-    return linear(ACTIVATIONS[act](gate) * up, w_down, backend=backend)
+    return linear(gated_activation(x, w_gate, w_up, backend, act), w_down, backend=backend)

@@ -24,7 +24,8 @@ from jaxinfer.qtensor import (
 )
 from jaxinfer.quant.artifact import FORMAT_VERSION, load, save
 from jaxinfer.quant.awq import awq_clip_search, awq_scales, awq_search, scaled_quant_loss
-from jaxinfer.quant.calibrate import QuantConfig, QuantReport, quantize, quantize_with_report
+from jaxinfer.quant.calibrate import quantize, quantize_with_report
+from jaxinfer.quant.config import QuantConfig, QuantReport
 from jaxinfer.quant.gptq import gptq_quantize, hessian
 from jaxinfer.quant.importers import (
     import_awq_linear,

@@ -23,31 +23,15 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxinfer import tensor_checks
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import check_params
 from jaxinfer.qtensor import Int4Weight, Int8Weight
-from jaxinfer.quant.calibrate import QuantConfig
+from jaxinfer.quant.config import QuantConfig
 
 FORMAT = "jaxinfer-quant"
 FORMAT_VERSION = 1
 _TYPES = {"Int4Weight": Int4Weight, "Int8Weight": Int8Weight}
 _SEP = "__"
-
-
-# --------------------------------------------------------------------------------------------
-# Config (de)serialisation
-# --------------------------------------------------------------------------------------------
-
-
-def model_config_to_dict(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def model_config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    return ModelConfig(**d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,7 +115,7 @@ def save(
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "model_config": model_config_to_dict(cfg),
+        "model_config": cfg.to_dict(),
         "quant_config": qcfg.to_dict(),
         "tree": tree,
     }
@@ -219,7 +203,7 @@ def load(path: str, *, check_finite: bool = True) -> tuple[ModelConfig, dict, Qu
     meta = read_metadata(path)
     path = os.path.abspath(path)
     try:
-        cfg = model_config_from_dict(meta["model_config"])
+        cfg = ModelConfig.from_dict(meta["model_config"])
         qcfg = QuantConfig.from_dict(meta["quant_config"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"artifact {path}: {e}") from e

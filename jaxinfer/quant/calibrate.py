@@ -4,14 +4,10 @@ Layer by layer, as in the GPTQ and AWQ reference implementations: the calibratio
 enter layer l as produced by the *already quantized* layers 0..l-1, so each layer learns to
 correct the error it actually receives. For each layer:
 
-  1. taps: the inputs of its linears, from the float layer (`layer_taps`):
-       attn_in  = rms_norm(x) · attn_norm        -> wq, wk, wv
-       o_in     = attention output               -> wo
-       mlp_in   = rms_norm(x') · mlp_norm        -> w_gate, w_up
-       down_in  = silu(mlp_in @ w_gate) · (mlp_in @ w_up)  -> w_down
-     accumulated over calibration mini-batches into XᵀX, max|x| and Σ|x| per channel;
-  2. the method turns the float layer into a quantized one (RTN, GPTQ, AWQ, SmoothQuant);
-  3. the hidden states advance through the quantized layer (`decoder_layer_dense`, the model's
+  1. the statistics of the inputs of its linears (`stats.tap_stats`: the float layer's own
+     intermediates, XᵀX, max|x| and Σ|x| per channel over the calibration mini-batches);
+  2. the method's layer function (`LAYER_METHODS`) turns the float layer into a quantized one;
+  3. the hidden states advance through the quantized layer (`stats.layer_forward`, the model's
      own layer function).
 
 GPTQ with `true_sequential` (AutoGPTQ's default; off here, where it measured neutral, see
@@ -21,47 +17,42 @@ tap through the already quantized earlier groups (`partial_tap_stats`, one more 
 mini-batches per group), so wo, w_gate/w_up and w_down are calibrated on the inputs they will
 see. Only attn_in's statistics come from step 1 then; the others are replaced.
 
-Every per-layer function is jitted once and reused by every layer (the layers share shapes).
 Scale folding for AWQ and SmoothQuant (exact in float arithmetic):
   attn_in -> attn_norm   mlp_in -> mlp_norm   down_in -> w_up's output columns
   o_in -> wv's output columns (and bv), only without GQA (H == K): with GQA one v channel feeds
           H/K query heads' outputs, so a per-channel scale of wo's input is not a scale of wv's.
-The model itself is imported from `jaxinfer.model`; `layer_taps` is composed from its public
-layer functions, and a test checks it reproduces `decoder_layer_dense`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.attention import project_qkv
-from jaxinfer.model.decoder import decoder_layer_dense
 from jaxinfer.model.layers import rms_norm
 from jaxinfer.model.params import LINEAR_NAMES, check_params, lm_head
-from jaxinfer.ops.attention import dense_causal_attention
-from jaxinfer.ops.linear import linear
-from jaxinfer.qtensor import INT4_BITS, dequantize, is_quantized, resolve_group_size
+from jaxinfer.qtensor import resolve_group_size
 from jaxinfer.quant import awq, gptq, smoothquant
+from jaxinfer.quant.config import QuantConfig, QuantReport
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
+from jaxinfer.quant.stats import (
+    INPUT_OF,
+    SEQUENTIAL_GROUPS,
+    activation_stats,
+    check_finite,
+    layer_forward,
+    partial_tap_stats,
+    relative_error,
+    sum_stats,
+    tap_samples,
+    tap_stats,
+)
 
-METHODS = ("rtn", "gptq", "awq", "smoothquant")
-_BITS = {"rtn": (2, 3, 4, 8), "gptq": INT4_BITS, "awq": INT4_BITS, "smoothquant": (8,)}
-INPUT_OF = {  # linear -> the tap it reads
-    "wq": "attn_in",
-    "wk": "attn_in",
-    "wv": "attn_in",
-    "wo": "o_in",
-    "w_gate": "mlp_in",
-    "w_up": "mlp_in",
-    "w_down": "down_in",
-}
 # (tap, linears reading it, where 1/s folds): the scale groups of AWQ and SmoothQuant.
 SCALE_GROUPS = (
     ("attn_in", ("wq", "wk", "wv"), "attn_norm"),
@@ -69,221 +60,90 @@ SCALE_GROUPS = (
     ("down_in", ("w_down",), "w_up"),
     ("o_in", ("wo",), "wv"),
 )
-# GPTQ true-sequential order: (tap, linears reading it). Each tap after the first is recomputed
-# through the layer with every earlier group already quantized.
-SEQUENTIAL_GROUPS = (
-    ("attn_in", ("wq", "wk", "wv")),
-    ("o_in", ("wo",)),
-    ("mlp_in", ("w_gate", "w_up")),
-    ("down_in", ("w_down",)),
-)
-_HI = jax.lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantConfig:
-    """How to quantize a model. Frozen and hashable; saved with every artifact."""
-
-    method: str = "rtn"  # "rtn" | "gptq" | "awq" | "smoothquant"
-    bits: int = 4  # 2, 3, 4 (Int4Weight); 8: rtn -> W8A16, smoothquant -> W8A8 (its only choice)
-    group_size: int | None = 128  # G, a multiple of 8; None (or -1, stored as None): G = in
-    sym: bool = False  # symmetric grids (fixed zero point 2**(bits-1))
-    damp: float = 0.01  # GPTQ: dampening in [0, 1], fraction of mean(diag H) (the paper's 1%)
-    act_order: bool = False  # GPTQ: sweep inputs by decreasing diag(H)
-    static_groups: bool = True  # GPTQ act order: grids from the original weights, no perm
-    blocksize: int = 128  # GPTQ: rows per lazy-update block
-    # GPTQ: calibrate o, gate/up, down on inputs recomputed through the layer's already quantized
-    # earlier linears (AutoGPTQ's default; measured neutral here, so off). RTN ignores statistics;
-    # AWQ and SmoothQuant ignore it.
-    true_sequential: bool = False
-    awq_grid: int = 20  # AWQ: grid points of the scaling exponent in [0, 1)
-    awq_clip: bool = True  # AWQ: search a clipping ratio per group
-    awq_max_tokens: int = 4096  # AWQ: tokens of the subsample the scale search runs on
-    alpha: float = 0.5  # SmoothQuant migration strength
-    quantize_lm_head: bool = False  # embeddings always stay dense; the head only when asked
-    batch_size: int = 8  # calibration sequences per jitted statistics call
-
-    def __post_init__(self):
-        # Every field is checked for its kind and range: QuantConfig is the boundary of all
-        # calibration code, and a wrong kind (blocksize=2.5, sym="no") would otherwise run.
-        # numpy scalars of the right kind are accepted and stored as Python values (hashable,
-        # JSON-serialisable).
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        def as_int(name, lo):
-            v = getattr(self, name)
-            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < lo:
-                raise ValueError(f"{name}={v!r}; expected an integer >= {lo}")
-            put(name, int(v))
-
-        def as_float(name, lo, hi):
-            v = getattr(self, name)
-            ok = isinstance(v, int | float | np.integer | np.floating) and not isinstance(
-                v, bool | np.bool_
-            )
-            if not ok or not lo <= float(v) <= hi:  # NaN fails the comparison
-                raise ValueError(f"{name}={v!r}; expected a number in [{lo}, {hi}]")
-            put(name, float(v))
-
-        if not isinstance(self.method, str) or self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}; expected one of {METHODS}")
-        for name in (
-            "sym",
-            "act_order",
-            "static_groups",
-            "true_sequential",
-            "awq_clip",
-            "quantize_lm_head",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, bool | np.bool_):
-                raise ValueError(f"{name}={v!r}; expected a bool")
-            put(name, bool(v))
-        as_int("bits", 1)
-        if self.bits not in _BITS[self.method]:
-            raise ValueError(
-                f"bits={self.bits!r} is not supported by {self.method}; expected one of "
-                f"{_BITS[self.method]}"
-            )
-        g = self.group_size
-        is_int = isinstance(g, int | np.integer) and not isinstance(g, bool | np.bool_)
-        if is_int and g == -1:
-            put("group_size", None)  # AutoGPTQ / GPTQModel / AWQ spell per channel -1
-        elif g is not None:
-            if not is_int or g < 8 or g % 8:
-                raise ValueError(
-                    f"group_size={g!r}; expected None or -1 (per channel) or a multiple of 8"
-                )
-            put("group_size", int(g))
-        as_float("damp", 0.0, 1.0)  # a fraction of mean(diag H), as AutoGPTQ's damp_percent
-        as_float("alpha", 0.0, 1.0)  # SmoothQuant's migration strength
-        for name in ("blocksize", "awq_grid", "awq_max_tokens", "batch_size"):
-            as_int(name, 1)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> QuantConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown QuantConfig field(s) {unknown}")
-        return cls(**d)
-
-
-@dataclasses.dataclass
-class QuantReport:
-    """What calibration measured: per-layer relative output errors and wall time."""
-
-    method: str
-    seconds: float  # wall time of the whole calibration
-    errors: list[dict[str, float]]  # per layer: linear -> ‖X(W − Ŵ)‖² / ‖XW‖² on its inputs
-    lm_head_error: float | None = None
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# --------------------------------------------------------------------------------------------
-# Layer functions (jitted once per shape, shared by every layer)
-# --------------------------------------------------------------------------------------------
-
-
-def layer_taps(lp: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, dict]:
-    """One dense decoder layer that also returns the inputs of its linears.
-
-    Args:
-      lp: one layer's params (no leading L axis).
-      cfg: the model config.
-      x: `[B, S, E]` hidden states entering the layer.
-
-    Returns:
-      (`[B, S, E]` output, taps {"attn_in" [B,S,E], "o_in" [B,S,H*D], "mlp_in" [B,S,E],
-      "down_in" [B,S,F]}).
-    """
-    bsz, n, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)  # [B, S, E]
-    positions = jnp.broadcast_to(jnp.arange(n), (bsz, n))
-    q, k, v = project_qkv(h, lp, cfg, positions)
-    o = dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window)  # [B, S, H, D]
-    o = o.reshape(bsz, n, cfg.num_heads * cfg.head_dim)
-    x = x + linear(o, lp["wo"])
-    h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)  # [B, S, E]
-    a = jax.nn.silu(linear(h2, lp["w_gate"])) * linear(h2, lp["w_up"])  # [B, S, F]
-    x = x + linear(a, lp["w_down"])
-    return x, {"attn_in": h, "o_in": o, "mlp_in": h2, "down_in": a}
-
-
-def _stats(t: jax.Array) -> dict:
-    t = t.reshape(-1, t.shape[-1]).astype(jnp.float32)  # [T, dim]
-    return {
-        "xtx": jnp.dot(t.T, t, precision=_HI),  # [dim, dim]
-        "absmax": jnp.max(jnp.abs(t), axis=0),  # [dim]
-        "abssum": jnp.sum(jnp.abs(t), axis=0),  # [dim]
-    }
-
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def tap_stats(lp: dict, x: jax.Array, cfg: ModelConfig) -> dict:
-    """Per-tap statistics of one calibration mini-batch `x [B, S, E]` (sums, not means)."""
-    _, taps = layer_taps(lp, cfg, x)
-    return {name: _stats(t) for name, t in taps.items()}
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "tap"))
-def partial_tap_stats(lp: dict, x: jax.Array, cfg: ModelConfig, tap: str) -> dict:
-    """Statistics of one tap of `x [B, S, E]` through a partly quantized layer (true sequential).
-
-    Quantized linears of `lp` are dequantized to x's dtype (`linear(x, w) == x @ dequantize(w)`
-    on the XLA path), so the tap is what the layer's quantized earlier linears produce. Compiles
-    once per tap: the layers share shapes and the set of linears quantized before each tap.
-    """
-    lp = {k: dequantize(v, x.dtype) if is_quantized(v) else v for k, v in lp.items()}
-    _, taps = layer_taps(lp, cfg, x)
-    return _stats(taps[tap])  # XLA drops the parts of the layer after the tap
-
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def tap_samples(lp: dict, x: jax.Array, cfg: ModelConfig) -> dict:
-    """The taps of `x [B, S, E]` flattened to `[B*S, dim]` (AWQ's search subsample)."""
-    _, taps = layer_taps(lp, cfg, x)
-    return {name: t.reshape(-1, t.shape[-1]) for name, t in taps.items()}
-
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def layer_forward(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The model's own dense layer, to advance the hidden states through a quantized layer."""
-    return decoder_layer_dense(x, lp, cfg)
-
-
-@jax.jit
-def relative_error(H: jax.Array, w: jax.Array, qw) -> jax.Array:
-    """‖X(W − Ŵ)‖² / ‖XW‖² from H ∝ XᵀX (`[in, in]`), w `[in, out]`, qw quantized."""
-    w = w.astype(jnp.float32)
-    d = w - dequantize(qw, jnp.float32)
-    num = jnp.sum(d * jnp.dot(H, d, precision=_HI))
-    den = jnp.sum(w * jnp.dot(H, w, precision=_HI))
-    return jnp.where(den > 0, num / den, 0.0)
-
 
 _rtn_jit = jax.jit(rtn_quantize, static_argnames=("bits", "group_size", "sym", "scale_dtype"))
 _int8_jit = jax.jit(quantize_int8, static_argnames=("act_quant",))
+_smoothquant_jit = jax.jit(smoothquant.smoothquant_weight)
+_relative_error = jax.jit(relative_error)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCalibration:
+    """One float layer and the calibration activations entering it."""
+
+    lp: dict  # the float layer's params (no leading L axis)
+    batches: list  # the calibration mini-batches entering the layer, each [bs, S, E]
+    stats: dict  # tap -> `activation_stats` summed over `batches` (attn_in [E], o_in [H*D], ...)
+    count: int  # calibration tokens per tap, N·S
+    layer: int  # the layer index, for error messages and notes
+
+    def hessian(self, tap: str) -> jax.Array:
+        """H = 2 XᵀX / (N·S) of one tap, `[dim, dim]`."""
+        return 2.0 * self.stats[tap]["xtx"] / self.count
 
 
 # --------------------------------------------------------------------------------------------
-# Methods: float layer + statistics -> quantized layer
+# Methods: float layer + statistics -> (quantized layer, {linear: relative error})
 # --------------------------------------------------------------------------------------------
 
 
 def _weight_quantizer(qcfg: QuantConfig, dtype, w, clip=None):
-    """The method-independent part: RTN int4 / int8 of one (possibly scaled) float weight."""
+    """The method's grid without calibration: RTN int4 / int8, or SmoothQuant's W8A8."""
+    if qcfg.method == "smoothquant":
+        return _smoothquant_jit(w)
     if qcfg.bits == 8:
-        return _int8_jit(w, act_quant=qcfg.method == "smoothquant")
+        return _int8_jit(w, act_quant=False)
     g = resolve_group_size(qcfg.group_size, w.shape[0])
     return _rtn_jit(w, bits=qcfg.bits, group_size=g, sym=qcfg.sym, scale_dtype=dtype, clip=clip)
+
+
+def _rtn_layer(c: LayerCalibration, cfg: ModelConfig, qcfg: QuantConfig, notes: list):
+    out, errors = dict(c.lp), {}
+    for name in LINEAR_NAMES:
+        qw = _weight_quantizer(qcfg, jnp.dtype(cfg.dtype), c.lp[name])
+        out[name] = qw
+        errors[name] = float(_relative_error(c.hessian(INPUT_OF[name]), c.lp[name], qw))
+    return out, errors
+
+
+def _gptq_linear(w, h, qcfg, dtype, where):
+    """GPTQ of one float weight `w [in, out]` on its Hessian `h [in, in]`."""
+    qw, _, singular = gptq.gptq_core(
+        w,
+        h,
+        bits=qcfg.bits,
+        group_size=resolve_group_size(qcfg.group_size, w.shape[0]),
+        sym=qcfg.sym,
+        damp=float(qcfg.damp),
+        act_order=qcfg.act_order,
+        static_groups=qcfg.static_groups,
+        blocksize=qcfg.blocksize,
+        scale_dtype=dtype.name,
+    )
+    if bool(singular):
+        gptq.raise_singular(where, qcfg.damp)
+    return qw
+
+
+def _gptq_layer(c: LayerCalibration, cfg: ModelConfig, qcfg: QuantConfig, notes: list):
+    """GPTQ of every linear; with `true_sequential`, each group on its recomputed input.
+
+    Without it every tap is the float layer's. With it only attn_in's statistics are (the layer
+    input is the same); every later tap is recomputed over the mini-batches through the linears
+    quantized so far. The errors are measured on the inputs GPTQ used.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    out, errors = dict(c.lp), {}
+    for tap, names in SEQUENTIAL_GROUPS:
+        if qcfg.true_sequential and tap != "attn_in":
+            st = sum_stats([{tap: partial_tap_stats(out, xb, cfg, tap)} for xb in c.batches])
+            check_finite(st, c.layer)
+            c = dataclasses.replace(c, stats={**c.stats, **st})
+        h = c.hessian(tap)  # [dim, dim]
+        for name in names:
+            qw = _gptq_linear(c.lp[name], h, qcfg, dtype, f"layer {c.layer} {name}")
+            out[name], errors[name] = qw, float(_relative_error(h, c.lp[name], qw))
+    return out, {name: errors[name] for name in LINEAR_NAMES}
 
 
 def scale_plan(cfg: ModelConfig, method: str, notes: list[str] | None = None) -> tuple:
@@ -335,103 +195,76 @@ def fold_scales(lp: dict, scales: dict, plan: tuple) -> dict:
     return lp
 
 
-def _scaled_H(H: jax.Array, s: jax.Array | None) -> jax.Array:
-    return H if s is None else H / s[:, None] / s[None, :]
+def _scaled_layer(c, cfg, qcfg, plan, scales, clip_of):
+    """Folds `scales` into the float layer, then quantizes every linear on its scaled input.
 
-
-def _gptq_linear(w, h, qcfg, dtype, where):
-    """GPTQ of one float weight `w [in, out]` on its Hessian `h [in, in]`."""
-    qw, _, singular = gptq.gptq_core(
-        w,
-        h,
-        bits=qcfg.bits,
-        group_size=resolve_group_size(qcfg.group_size, w.shape[0]),
-        sym=qcfg.sym,
-        damp=float(qcfg.damp),
-        act_order=qcfg.act_order,
-        static_groups=qcfg.static_groups,
-        blocksize=qcfg.blocksize,
-        scale_dtype=dtype.name,
-    )
-    if bool(singular):
-        gptq.raise_singular(where, qcfg.damp)
-    return qw
-
-
-def _gptq_sequential(lp, stats, batches, count, cfg, qcfg, layer):
-    """True-sequential GPTQ of one float layer -> (quantized layer, {linear: relative error}).
-
-    `stats` are the float layer's (only attn_in's are used: the layer input is the same); every
-    later tap is recomputed over `batches` through the linears quantized so far, and its
-    statistics replace the float ones. The errors are measured on the inputs GPTQ used.
+    `clip_of(name, h, w)` is the clipping of one folded weight (None: unclipped).
     """
     dtype = jnp.dtype(cfg.dtype)
-    out, errors = dict(lp), {}
-    for tap, names in SEQUENTIAL_GROUPS:
-        if tap != "attn_in":
-            st = _sum_stats([{tap: partial_tap_stats(out, xb, cfg, tap)} for xb in batches])
-            _check_finite(st, layer)
-            stats = {**stats, **st}
-        h = 2.0 * stats[tap]["xtx"] / count  # [dim, dim]
-        for name in names:
-            qw = _gptq_linear(lp[name], h, qcfg, dtype, f"layer {layer} {name}")
-            out[name], errors[name] = qw, float(relative_error(h, lp[name], qw))
-    return out, {name: errors[name] for name in LINEAR_NAMES}
-
-
-def _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes):
-    """One float layer -> (quantized layer, {linear: relative error})."""
-    dtype = jnp.dtype(cfg.dtype)
-    H = {tap: 2.0 * st["xtx"] / count for tap, st in stats.items()}  # [dim, dim] per tap
-    out, errors = dict(lp), {}
-    if qcfg.method in ("rtn", "gptq"):
-        for name in LINEAR_NAMES:
-            h = H[INPUT_OF[name]]
-            if qcfg.method == "rtn":
-                qw = _weight_quantizer(qcfg, dtype, lp[name])
-            else:
-                qw = _gptq_linear(lp[name], h, qcfg, dtype, f"layer {layer} {name}")
-            out[name], errors[name] = qw, float(relative_error(h, lp[name], qw))
-        return out, errors
-
-    plan = scale_plan(cfg, qcfg.method, notes if layer == 0 else [])
-    scales = {}
-    for tap, names, _ in plan:
-        ws = tuple(lp[n] for n in names)
-        if qcfg.method == "awq":
-            g = resolve_group_size(qcfg.group_size, ws[0].shape[0])
-            s, _, _ = awq.awq_search(
-                samples[tap],
-                stats[tap]["abssum"] / count,
-                ws,
-                bits=qcfg.bits,
-                group_size=g,
-                sym=qcfg.sym,
-                n_grid=qcfg.awq_grid,
-                scale_dtype=dtype.name,
-            )
-        else:
-            s = smoothquant.smooth_scales(stats[tap]["absmax"], ws, qcfg.alpha)
-        scales[tap] = s
-    folded = fold_scales(lp, scales, plan)
+    folded = fold_scales(c.lp, scales, plan)
+    out, errors = dict(c.lp), {}
     for name in ("attn_norm", "mlp_norm", "bv"):
         if name in folded:
             out[name] = folded[name]
     for name in LINEAR_NAMES:
         tap = INPUT_OF[name]
-        h = _scaled_H(H[tap], scales.get(tap))
+        h = c.hessian(tap)
+        if tap in scales:  # the Hessian of x / s
+            h = h / scales[tap][:, None] / scales[tap][None, :]
         w = folded[name]
-        clip = None
-        # AWQ's reference leaves q/k unclipped: their errors are amplified by the softmax.
-        if qcfg.method == "awq" and qcfg.awq_clip and name not in ("wq", "wk"):
-            g = resolve_group_size(qcfg.group_size, w.shape[0])
-            clip, _ = awq.awq_clip_search(
-                awq.gram_from_xtx(h, g), w, bits=qcfg.bits, group_size=g, sym=qcfg.sym,
-                scale_dtype=dtype.name,
-            )  # fmt: skip
-        qw = _weight_quantizer(qcfg, dtype, w, clip)
-        out[name], errors[name] = qw, float(relative_error(h, w, qw))
+        qw = _weight_quantizer(qcfg, dtype, w, clip_of(name, h, w))
+        out[name], errors[name] = qw, float(_relative_error(h, w, qw))
     return out, errors
+
+
+def _awq_layer(c: LayerCalibration, cfg: ModelConfig, qcfg: QuantConfig, notes: list):
+    dtype = jnp.dtype(cfg.dtype)
+    plan = scale_plan(cfg, "awq", notes if c.layer == 0 else None)
+    bs, s = c.batches[0].shape[:2]
+    n_awq = max(1, min(len(c.batches), qcfg.awq_max_tokens // (bs * s)))  # the search sample
+    parts = [tap_samples(c.lp, xb, cfg) for xb in c.batches[:n_awq]]
+    samples = {t: jnp.concatenate([p[t] for p in parts]) for t in parts[0]}  # [T', dim]
+    scales = {}
+    for tap, names, _ in plan:
+        ws = tuple(c.lp[n] for n in names)
+        scales[tap], _, _ = awq.awq_search(
+            samples[tap], c.stats[tap]["abssum"] / c.count, ws, bits=qcfg.bits,
+            group_size=resolve_group_size(qcfg.group_size, ws[0].shape[0]), sym=qcfg.sym,
+            n_grid=qcfg.awq_grid, scale_dtype=dtype.name,
+        )  # fmt: skip
+
+    def clip_of(name, h, w):
+        # AWQ's reference leaves q/k unclipped: their errors are amplified by the softmax.
+        if not qcfg.awq_clip or name in ("wq", "wk"):
+            return None
+        g = resolve_group_size(qcfg.group_size, w.shape[0])
+        clip, _ = awq.awq_clip_search(
+            awq.gram_from_xtx(h, g), w, bits=qcfg.bits, group_size=g, sym=qcfg.sym,
+            scale_dtype=dtype.name,
+        )  # fmt: skip
+        return clip
+
+    return _scaled_layer(c, cfg, qcfg, plan, scales, clip_of)
+
+
+def _smoothquant_layer(c: LayerCalibration, cfg: ModelConfig, qcfg: QuantConfig, notes: list):
+    plan = scale_plan(cfg, "smoothquant")
+    scales = {
+        tap: smoothquant.smooth_scales(
+            c.stats[tap]["absmax"], tuple(c.lp[n] for n in names), qcfg.alpha
+        )
+        for tap, names, _ in plan
+    }
+    return _scaled_layer(c, cfg, qcfg, plan, scales, lambda name, h, w: None)
+
+
+# method -> (layer calibration, cfg, qcfg, notes) -> (quantized layer, {linear: relative error})
+LAYER_METHODS: dict[str, Callable] = {
+    "rtn": _rtn_layer,
+    "gptq": _gptq_layer,
+    "awq": _awq_layer,
+    "smoothquant": _smoothquant_layer,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,20 +325,9 @@ def _batch_size(n: int, want: int) -> int:
     return max(d for d in range(1, min(n, want) + 1) if n % d == 0)
 
 
-def _check_finite(stats: dict, layer: int) -> None:
-    for tap, st in stats.items():
-        if not bool(jnp.all(jnp.isfinite(st["xtx"]))):
-            raise ValueError(f"layer {layer}: calibration activations {tap!r} contain NaN or Inf")
-
-
-def _sum_stats(parts: list[dict]) -> dict:
-    total = parts[0]
-    for p in parts[1:]:
-        total = jax.tree.map(jnp.add, total, p)
-    # absmax is a max, not a sum
-    for tap in total:
-        total[tap]["absmax"] = functools.reduce(jnp.maximum, [p[tap]["absmax"] for p in parts])
-    return total
+def _batch_size(n: int, want: int) -> int:
+    """Largest divisor of n that is <= want: every mini-batch has one shape, one compile."""
+    return max(d for d in range(1, min(n, want) + 1) if n % d == 0)
 
 
 def quantize_with_report(
@@ -535,9 +357,8 @@ def quantize_with_report(
     tokens = _check_inputs(cfg, params, qcfg, calib_tokens)
     n, s = tokens.shape
     bs = _batch_size(n, qcfg.batch_size)
-    count = n * s  # calibration tokens per tap
     x = params["embed"][jnp.asarray(tokens)]  # [N, S, E] as in forward_dense
-    n_awq = max(1, min(n // bs, qcfg.awq_max_tokens // (bs * s)))  # batches in the AWQ sample
+    method = LAYER_METHODS[qcfg.method]
 
     notes: list[str] = []
     qlayers, errors = [], []
@@ -549,16 +370,10 @@ def quantize_with_report(
     for layer in layer_ids:
         lp = jax.tree.map(lambda a, i=layer: a[i], params["layers"])
         batches = [x[i : i + bs] for i in range(0, n, bs)]  # each [bs, S, E]
-        stats = _sum_stats([tap_stats(lp, xb, cfg) for xb in batches])
-        _check_finite(stats, layer)
-        samples = None
-        if qcfg.method == "awq":
-            parts = [tap_samples(lp, xb, cfg) for xb in batches[:n_awq]]
-            samples = {t: jnp.concatenate([p[t] for p in parts]) for t in parts[0]}
-        if qcfg.method == "gptq" and qcfg.true_sequential:
-            qlp, errs = _gptq_sequential(lp, stats, batches, count, cfg, qcfg, layer)
-        else:
-            qlp, errs = _quantize_layer(lp, stats, samples, count, cfg, qcfg, layer, notes)
+        stats = sum_stats([tap_stats(lp, xb, cfg) for xb in batches])
+        check_finite(stats, layer)
+        calib = LayerCalibration(lp, batches, stats, count=n * s, layer=layer)
+        qlp, errs = method(calib, cfg, qcfg, notes)
         x = jnp.concatenate([layer_forward(qlp, xb, cfg) for xb in batches])
         qlayers.append(qlp)
         errors.append(errs)
@@ -567,7 +382,7 @@ def quantize_with_report(
     qparams["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *qlayers)
     report = QuantReport(qcfg.method, 0.0, errors, notes=notes)
     if qcfg.quantize_lm_head:
-        qparams["lm_head"], report.lm_head_error = _quantize_head(params, cfg, qcfg, x, count)
+        qparams["lm_head"], report.lm_head_error = _quantize_head(params, cfg, qcfg, x, n * s)
         if cfg.tie_word_embeddings:
             notes.append("tied embeddings: the quantized lm_head is stored beside the embedding")
     report.seconds = time.perf_counter() - start
@@ -577,7 +392,7 @@ def quantize_with_report(
 def _quantize_head(params, cfg, qcfg, x, count):
     """The LM head: GPTQ on the final hidden states for gptq, the method's grid otherwise."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)  # [N, S, E]
-    H = 2.0 * _stats(h)["xtx"] / count
+    H = 2.0 * activation_stats(h)["xtx"] / count
     w = lm_head(params)  # [E, V]
     if qcfg.method == "gptq":
         qw, _ = gptq.gptq_quantize(
@@ -587,7 +402,7 @@ def _quantize_head(params, cfg, qcfg, x, count):
         )  # fmt: skip
     else:
         qw = _weight_quantizer(qcfg, jnp.dtype(cfg.dtype), w)
-    return qw, float(relative_error(H, w, qw))
+    return qw, float(_relative_error(H, w, qw))
 
 
 def quantize(cfg: ModelConfig, params: dict, qcfg: QuantConfig, calib_tokens) -> dict:

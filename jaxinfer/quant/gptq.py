@@ -33,11 +33,11 @@ from jax import lax
 from jaxinfer.qtensor import (
     Int4Weight,
     check_int4_static,
-    dequantize,
     make_int4,
     resolve_group_size,
 )
 from jaxinfer.quant.rtn import group_params, quantize_codes, rtn_params
+from jaxinfer.quant.stats import relative_error
 
 _HI = lax.Precision.HIGHEST  # no TF32 on GPUs: the sweep feeds its own rounding errors back
 _SINGULAR_TOL = 1e-6  # a Cholesky pivot² below this fraction of mean(diag H) counts as singular
@@ -202,12 +202,7 @@ def gptq_core(
         stored_perm = perm  # rows (and groups) stay in sweep order
     qw = make_int4(Q, S.astype(scale_dtype), Z, bits=bits, group_size=G, perm=stored_perm)
 
-    W_orig = w.astype(jnp.float32)
-    D = W_orig - dequantize(qw, jnp.float32)  # [n, m]
-    num = jnp.sum(D * jnp.dot(H_orig, D, precision=_HI))
-    den = jnp.sum(W_orig * jnp.dot(H_orig, W_orig, precision=_HI))
-    rel_err = jnp.where(den > 0, num / den, 0.0)
-    return qw, rel_err, singular
+    return qw, relative_error(H_orig, w, qw), singular
 
 
 def gptq_quantize(

@@ -32,30 +32,22 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig, from_hf_config
+from jaxinfer.hf_names import EMBED, FINAL_NORM, LAYER_NAMES, LM_HEAD, layer_name, read_tensors
+from jaxinfer.model.params import LINEAR_NAMES
 from jaxinfer.qtensor import Int4Weight, check_int4_static, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8c + AWQ_ORDER[i]
 GPTQ_BITS = (2, 4)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
-MODULES = {  # jaxinfer linear -> HF module inside `model.layers.{i}.`
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
+# jaxinfer linear -> HF module inside `model.layers.{i}.`; the dense leaves keep their HF names.
+MODULES = {
+    leaf: name.removesuffix(".weight")
+    for leaf, (name, _) in LAYER_NAMES.items()
+    if leaf in LINEAR_NAMES
 }
-_DENSE = {
-    "attn_norm": "input_layernorm.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-    "bq": "self_attn.q_proj.bias",
-    "bk": "self_attn.k_proj.bias",
-    "bv": "self_attn.v_proj.bias",
-}
+_DENSE = {leaf: name for leaf, (name, _) in LAYER_NAMES.items() if leaf not in MODULES}
 
 
 def _unpack(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -214,23 +206,6 @@ def import_awq_linear(
 # --------------------------------------------------------------------------------------------
 
 
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    tensors = {}
-    for fname in files:
-        with safe_open(os.path.join(path, fname), framework="numpy") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return tensors
-
-
 def _quant_config(path: str, hf: dict) -> dict:
     qc = hf.get("quantization_config")
     side = os.path.join(path, "quantize_config.json")  # older AutoGPTQ exports
@@ -259,7 +234,7 @@ def load_community_checkpoint(path: str, dtype=None) -> tuple[ModelConfig, dict]
     qc = _quant_config(path, hf)
     cfg = from_hf_config(hf, dtype=None if dtype is None else jnp.dtype(dtype).name)
     dt = cfg.jnp_dtype
-    t = _read_tensors(path)
+    t = read_tensors(path)  # safetensors only: pickle checkpoints are refused
 
     def get(key):
         if key not in t:
@@ -273,7 +248,7 @@ def load_community_checkpoint(path: str, dtype=None) -> tuple[ModelConfig, dict]
     layers: dict = {}
     for leaf, module in MODULES.items():
         per_layer = []
-        prefixes = [f"model.layers.{i}.{module}" for i in range(cfg.num_layers)]
+        prefixes = [layer_name(i, module) for i in range(cfg.num_layers)]
         if qc["quant_method"] == "gptq":
             g = int(qc.get("group_size", -1))
             d_in = get(f"{prefixes[0]}.qweight").shape[0] * (32 // int(qc.get("bits", 4)))
@@ -319,13 +294,13 @@ def load_community_checkpoint(path: str, dtype=None) -> tuple[ModelConfig, dict]
     for leaf, hf_name in _DENSE.items():
         if leaf.startswith("b") and not cfg.attention_bias:
             continue
-        stacked = np.stack([dense(f"model.layers.{i}.{hf_name}") for i in range(cfg.num_layers)])
+        stacked = np.stack([dense(layer_name(i, hf_name)) for i in range(cfg.num_layers)])
         layers[leaf] = jnp.asarray(stacked, dt)
     params = {
-        "embed": jnp.asarray(dense("model.embed_tokens.weight"), dt),
+        "embed": jnp.asarray(dense(EMBED), dt),
         "layers": layers,
-        "final_norm": jnp.asarray(dense("model.norm.weight"), dt),
+        "final_norm": jnp.asarray(dense(FINAL_NORM), dt),
     }
     if not cfg.tie_word_embeddings:  # HF [V, E] -> [E, V]
-        params["lm_head"] = jnp.asarray(dense("lm_head.weight", transpose=True), dt)
+        params["lm_head"] = jnp.asarray(dense(LM_HEAD, transpose=True), dt)
     return cfg, params

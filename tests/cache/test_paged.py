@@ -1,5 +1,6 @@
 """init_cache: shapes per format, and bad sizes named in the error."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +15,10 @@ CFG = ji.preset("tiny-llama")
 def test_shapes(kv_format, dtype):
     cache = ji.init_cache(CFG, 5, 8, kv_format=kv_format)
     shape = (CFG.num_layers, 5, CFG.num_kv_heads, 8, CFG.head_dim)
-    assert cache.k.shape == cache.v.shape == shape
-    assert cache.k.dtype == (dtype or jnp.dtype(CFG.dtype))
+    chex.assert_shape([cache.k, cache.v], shape)
+    chex.assert_type([cache.k, cache.v], dtype or jnp.dtype(CFG.dtype))
     if kv_format == "int8":
-        assert cache.k_scale.shape == shape[:-1]
+        chex.assert_shape([cache.k_scale, cache.v_scale], shape[:-1])
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,10 +55,8 @@ def test_save_load_identical_outputs(tmp_path, quantized):
     artifact.save(path, CFG, qparams, qcfg)
     cfg, loaded, qcfg2 = artifact.load(path)
     assert cfg == CFG and qcfg2 == qcfg
-    assert jax.tree.structure(loaded) == jax.tree.structure(qparams)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal_dtypes(loaded, qparams)
+    chex.assert_trees_all_equal(loaded, qparams)  # the same tree, bit-identical leaves
     assert (
         isinstance(loaded["layers"]["w_down"], Int8Weight) and loaded["layers"]["w_down"].act_quant
     )
@@ -124,8 +123,7 @@ def test_artifact_without_true_sequential_loads_as_non_sequential(tmp_path, quan
     _edit_meta(path, lambda m: m["quant_config"].pop("true_sequential"))
     _, loaded, qcfg_old = artifact.load(path)
     assert qcfg_old == dataclasses.replace(qcfg, true_sequential=False)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(qparams)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(loaded, qparams)
 
 
 # --------------------------------------------------------------------------- issue 15: hardening

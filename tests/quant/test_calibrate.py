@@ -9,9 +9,10 @@ import pytest
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward_dense, init_params
-from jaxinfer.model.decoder import decoder_layer_dense
+from jaxinfer.model.decoder import decoder_layer_dense, decoder_layer_dense_taps
 from jaxinfer.qtensor import Int4Weight, Int8Weight
 from jaxinfer.quant import calibrate, gptq
+from jaxinfer.quant import config as calibrate_config
 from jaxinfer.quant.calibrate import QuantConfig, quantize, quantize_with_report
 
 # Every linear is [32, 32] (one compile per jitted function), H == K with qkv bias and tied
@@ -57,13 +58,43 @@ def test_layer_taps_reproduce_the_model_layer(model):
     cfg, params, _, tokens, _ = model
     lp = jax.tree.map(lambda a: a[0], params["layers"])
     x = params["embed"][tokens]
-    out, taps = calibrate.layer_taps(lp, cfg, x)
+    out, taps = decoder_layer_dense_taps(x, lp, cfg)
     np.testing.assert_allclose(
         np.asarray(out), np.asarray(decoder_layer_dense(x, lp, cfg)), rtol=1e-6, atol=1e-6
     )
     assert {k: v.shape[-1] for k, v in taps.items()} == {
         "attn_in": 32, "o_in": 32, "mlp_in": 32, "down_in": 32,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
+def test_calibration_taps_follow_hidden_act(act):
+    """down_proj's input is act(gate) · up with the model's activation (once hard-coded SiLU)."""
+    cfg = SQUARE.replace(hidden_act=act)
+    params = init_params(cfg, jax.random.key(3), std=0.5)
+    lp = jax.tree.map(lambda a: a[0], params["layers"])
+    x = params["embed"][jnp.asarray(np.arange(32).reshape(2, 16) % cfg.vocab_size)]
+    # the MLP input, independently: the layer's residual stream after attention
+    _, taps = decoder_layer_dense_taps(x, lp, cfg)
+    h2 = np.asarray(taps["mlp_in"], np.float64).reshape(-1, 32)
+    gate = h2 @ np.asarray(lp["w_gate"], np.float64)
+    up = h2 @ np.asarray(lp["w_up"], np.float64)
+    fn = {
+        "silu": lambda g: g / (1 + np.exp(-g)),
+        "gelu": lambda g: np.asarray(jax.nn.gelu(g, approximate=False)),
+        "gelu_pytorch_tanh": lambda g: np.asarray(jax.nn.gelu(g, approximate=True)),
+    }[act]
+    down_in = fn(gate) * up  # [B*S, F]
+    xtx = np.asarray(calibrate.tap_stats(lp, x, cfg)["down_in"]["xtx"], np.float64)
+    np.testing.assert_allclose(xtx, down_in.T @ down_in, rtol=1e-4, atol=1e-4)
+    # negative control: the SiLU taps of a GELU model are far off
+    if act != "silu":
+        silu = gate / (1 + np.exp(-gate)) * up
+        assert np.abs(silu.T @ silu - xtx).max() > 1e-2 * np.abs(xtx).max()
+
+
+def test_every_method_has_a_layer_function():
+    assert set(calibrate.LAYER_METHODS) == set(calibrate_config.METHODS)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

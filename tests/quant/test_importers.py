@@ -242,3 +242,12 @@ def test_checkpoint_without_quantization_config(tmp_path):
         json.dump(to_hf_config(CFG), f)
     with pytest.raises(ValueError, match="no GPTQ or AWQ quantization_config"):
         load_community_checkpoint(path)
+
+
+def test_pickle_checkpoint_is_refused(tmp_path):
+    """The importers read weights through the loader's one safetensors reader: no unpickling."""
+    path = os.path.join(tmp_path, "pickled")
+    write_checkpoint(path, "gptq", np.random.default_rng(11), False)
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="refuses to load them because unpickling"):
+        load_community_checkpoint(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import init_params
-from jaxinfer.model.decoder import decoder_layer_dense
+from jaxinfer.model.decoder import decoder_layer_dense, decoder_layer_dense_taps
 from jaxinfer.model.params import LINEAR_NAMES
 from jaxinfer.qtensor import dequantize, resolve_group_size
 from jaxinfer.quant import calibrate, gptq
@@ -48,7 +49,7 @@ def direct_hessians(cfg, params, qparams, calib, *, sequential=True) -> list[dic
         lp, qlp = layer(params, i), layer(qparams, i)
         mixed, hs = dict(lp), {}
         for tap, names in calibrate.SEQUENTIAL_GROUPS:
-            _, taps = calibrate.layer_taps(mixed, cfg, x)
+            _, taps = decoder_layer_dense_taps(x, mixed, cfg)
             X = np.asarray(taps[tap], np.float64).reshape(-1, taps[tap].shape[-1])
             hs[tap] = 2.0 * X.T @ X / calib.size
             if sequential:
@@ -144,9 +145,7 @@ def test_non_sequential_reproduces_float_layer_calibration_exactly(model, record
     off = dataclasses.replace(SEQ, true_sequential=False)
     got = quantize(CFG, params, off, calib)
     want = reference_non_sequential(CFG, params, off, calib)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(got, want)  # same tree, bit-identical leaves
     # Same first group (same layer-0 input), different later linears.
     seq = recorded[0]["layers"]
     for name in LINEAR_NAMES:
