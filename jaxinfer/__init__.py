@@ -33,7 +33,7 @@ _LAZY = ("quant", "speculative", "engine", "eval", "models", "data", "memory", "
 def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"jaxinfer.{name}")
-    if name in ("Engine", "EngineConfig"):
+    if name in ("Engine", "EngineConfig", "SpeculativeConfig"):
         return getattr(importlib.import_module("jaxinfer.engine"), name)
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
 

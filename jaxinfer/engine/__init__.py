@@ -21,6 +21,7 @@ from jaxinfer.engine.scheduler import (
     SeqOutput,
 )
 from jaxinfer.engine.step import STEP_TRACE_COUNTS
+from jaxinfer.speculative.config import SpeculativeConfig
 
 __all__ = [
     # -------------------------------------------------------------------------- engine
@@ -28,6 +29,7 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "STEP_TRACE_COUNTS",
+    "SpeculativeConfig",
     "StreamOutput",
     # ------------------------------------------------------------------------ requests
     "FinishReason",

@@ -10,6 +10,7 @@ from jaxinfer.cache.paged import KV_FORMATS
 from jaxinfer.checks import check_int
 from jaxinfer.engine.scheduler import SchedulerConfig
 from jaxinfer.ops.attention import BACKENDS
+from jaxinfer.speculative.config import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class EngineConfig:
       min_token_bucket: smallest padded T, so the many tiny decode steps share one compilation.
       min_block_bucket: smallest padded M (blocks per sequence), for the same reason.
       min_seq_bucket: smallest padded B; `max_num_seqs` fixes B, leaving T and M to vary.
+      speculative: speculative decoding (`ji.SpeculativeConfig`); None: plain decoding.
+      cycle_log: path of a JSONL file with one record per request per step (speculation on):
+        γ, proposed and committed ids, accepted count, draft / verify ms, the controller's
+        choice (see `jaxinfer/engine/cycles.py`); None: no log.
     """
 
     block_size: int = 16
@@ -47,6 +52,8 @@ class EngineConfig:
     min_token_bucket: int = 16
     min_block_bucket: int = 8
     min_seq_bucket: int = 1
+    speculative: SpeculativeConfig | None = None
+    cycle_log: str | None = None
 
     def __post_init__(self):
         # One int policy (jaxinfer.checks): numpy / jax ints are normalized to Python ints,
@@ -89,6 +96,13 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: expected a bool")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(
+                f"EngineConfig.speculative={self.speculative!r}: expected a SpeculativeConfig "
+                "or None"
+            )
+        if self.cycle_log is not None and not isinstance(self.cycle_log, str):
+            raise ValueError(f"EngineConfig.cycle_log={self.cycle_log!r}: expected a path or None")
         self.scheduler_config()  # validates long_prefill_threshold against chunked prefill
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -44,8 +44,10 @@ from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import recovery
+from jaxinfer.engine import recovery, speculation
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.cycles import account
+from jaxinfer.engine.cycles import init as init_speculation
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import Request
@@ -129,6 +131,7 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
@@ -158,6 +161,10 @@ class Engine:
         self.num_failed_steps = 0  # steps undone after an exception (their requests failed)
         self.last_schedule: Schedule | None = None
         self._step_logprobs: dict[int, tuple] = {}  # seq id -> its logprobs of the last step
+        init_speculation(self, detokenize)
+
+    def _lookahead(self, seq) -> int:
+        return self._gamma
 
     # ------------------------------------------------------------------------ requests
 
@@ -167,6 +174,11 @@ class Engine:
             raise ValueError(f"sampling[{index}] is {type(sp).__name__}, expected SamplingParams")
         if request_id in self.metrics_collector.requests:
             raise ValueError(f"request id {request_id!r} was used already")
+        if self.config.speculative is not None and sp.logprobs is not None:
+            raise ValueError(
+                f"request {index} ({request_id!r}): logprobs={sp.logprobs} is not supported with "
+                "EngineConfig.speculative; expected logprobs=None"
+            )
         probe_id = ("probe", index)
         try:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
@@ -261,22 +273,34 @@ class Engine:
           One StreamOutput per sample that received tokens, or failed, this step, in schedule
           order (failed requests last).
         """
-        schedule = self.scheduler.schedule()
+        if self.spec is None:
+            schedule = self.scheduler.schedule()
+        else:
+            decoding = sum(not s.in_prefill for s in self.scheduler.running)
+            self._gamma, self._predicted = self.controller.choose(decoding)
+            schedule = self.scheduler.schedule(self._lookahead)
         self.last_schedule = schedule
         if schedule.is_empty:
             self.scheduler.update(schedule, {})
             return []
         self._touched_device = False
+        record = None
         try:
-            batch = self._build(schedule)
-            self._touched_device = True  # from here on the cache is donated
-            self._apply_copies(schedule.block_copies)
-            sampled = self._run(batch)  # seq id -> (token or -1, position)
+            if self.spec is None:
+                batch = self._build(schedule)
+                self._touched_device = True  # from here on the cache is donated
+                self._apply_copies(schedule.block_copies)
+                # seq id -> ([token] or [-1], position)
+                sampled = {sid: ([t], p) for sid, (t, p) in self._run(batch).items()}
+            else:
+                self._touched_device = True
+                self._apply_copies(schedule.block_copies)
+                sampled, record = speculation.run(self, schedule)  # 1..γ+1 tokens per row
             # Rows with non-finite logits get a placeholder token for update(); their requests
             # fail right after it.
-            bad = {sid: pos for sid, (tok, pos) in sampled.items() if tok < 0}
+            bad = {sid: pos for sid, (toks, pos) in sampled.items() if toks[0] < 0}
             outs = self.scheduler.update(
-                schedule, {sid: [max(tok, 0)] for sid, (tok, _) in sampled.items()}
+                schedule, {sid: [max(t, 0) for t in toks] for sid, (toks, _) in sampled.items()}
             )
         except Exception as e:
             return self._recover(schedule, e)
@@ -286,6 +310,8 @@ class Engine:
             raise
         now = self.clock()
         self.num_steps += 1
+        if record is not None:
+            account(self, schedule, record, outs)
         failed: dict[Hashable, str] = {}  # request -> error, for non-finite logits
         for sid, pos in bad.items():
             rid = self._rid_of[sid]
@@ -390,6 +416,8 @@ class Engine:
             dst = np.zeros(n, np.int32)
             src[: len(group)], dst[: len(group)] = zip(*group)
             self.cache = _copy(self.cache, src, dst)
+            if self.dcache is not None:
+                self.dcache = _copy(self.dcache, src, dst)
 
     def _build(self, schedule: Schedule) -> _Batch:
         """The padded device batch of a schedule (host only)."""

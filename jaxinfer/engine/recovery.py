@@ -40,7 +40,12 @@ def undo(engine: Engine, schedule: Schedule) -> None:
     engine.scheduler.rollback()
     if not engine._touched_device:
         return  # nothing reached the device: the state before the step is exact
-    if not cache_alive(engine.cache):
+    if not cache_alive(engine.cache) or (
+        engine.dcache is not None and not cache_alive(engine.dcache)
+    ):
+        if engine.dcache is not None:  # the drafter's cache shares the block ids: both go
+            dcfg = engine.config.speculative.draft_model[0]
+            engine.dcache = init_cache(dcfg, engine.config.num_blocks, engine.config.block_size)
         engine.cache = init_cache(
             engine.cfg,
             engine.config.num_blocks,
