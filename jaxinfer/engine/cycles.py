@@ -130,7 +130,7 @@ class CycleLog:
                 f.write(json.dumps(r) + "\n")
 
 
-def init(engine, detokenize) -> None:
+def init_speculation(engine, detokenize) -> None:
     """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
     controller, cycle log; all None without speculation."""
     from jaxinfer.cache.paged import init_cache
@@ -139,7 +139,7 @@ def init(engine, detokenize) -> None:
     spec = engine.spec = engine.config.speculative
     engine.dcache = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
-    engine._gamma, engine._predicted = 0, {}
+    engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
     if spec is None:
         return
     spec.check_target(engine.cfg)
@@ -159,9 +159,8 @@ def account(engine, schedule, record: dict, outs) -> None:
     """Counters, controller timings and the cycle log of a speculative step."""
     committed = {o.seq_id: o.new_token_ids for o in outs}
     gmax = max((s.num_lookahead for s in schedule.seqs), default=0)
-    engine.controller.observe(
-        gmax, len(schedule.seqs), (record["draft_ms"] + record["verify_ms"]) / 1e3
-    )
+    seconds = (record["draft_ms"] + record["verify_ms"]) / 1e3
+    engine.controller.observe(gmax, engine._decoding, seconds)  # the batch choose() saw
     lines = []
     for sid, (gamma, proposed, accepted) in record["rows"].items():
         engine.spec_counters.add(gamma, accepted)

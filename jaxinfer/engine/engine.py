@@ -23,6 +23,9 @@ the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request 
 `ji.generate`'s output; the forks 1..n-1 of an n > 1 request use
 `fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
 
+With `EngineConfig.speculative` a step drafts, verifies every request's γ + 1 positions in the one
+ragged forward and commits 1..γ+1 tokens per request (`speculation.py`, `cycles.py`).
+
 A step is a transaction (see `Engine.step`): if it fails after `schedule()`, the scheduler and
 allocator roll back, the step's requests end with finish reason "error" and the exception's
 message in `StreamOutput.error` / `RequestOutput.error`, K/V the step may have overwritten are
@@ -41,42 +44,29 @@ from collections.abc import Sequence as SequenceABC
 import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
-from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
+from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import recovery, speculation
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.cycles import account
-from jaxinfer.engine.cycles import init as init_speculation
+from jaxinfer.engine.cycles import account, init_speculation
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler
 from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups, STEP_TRACE_COUNTS: re-exported)
     STEP_TRACE_COUNTS,
+    _Batch,
     _copy,
     _copy_groups,
     _host_logprobs,
+    _padded,
     _step,
     _step_logprobs,
 )
 from jaxinfer.generate import GenerationOutput, validate_requests
 from jaxinfer.model.params import check_params
 from jaxinfer.sampling import SamplingBatch, SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """A step's device inputs, built on the host before anything reaches the device."""
-
-    meta: BatchMetadata  # T tokens, B sequences
-    src: np.ndarray  # [B] int32 logits row of each sample row
-    sb: SamplingBatch  # [B] rows
-    pos: np.ndarray  # [B] int32 position of each sampled token
-    index: np.ndarray  # [B] int32 sample index
-    ids: list[int]  # [R] seq id of each real sample row
-    shape: tuple[int, int, int]  # (T, B, M)
-    sps: tuple[SamplingParams, ...]  # [R] the request settings of each real sample row
 
 
 @dataclasses.dataclass
@@ -87,13 +77,6 @@ class _Live:
     seq_ids: tuple[int, ...]  # [n]
     tokens: list[list[int]]  # [n] streamed so far
     reasons: list[str | None]  # [n]
-
-
-def _padded(values: list[int], n: int) -> np.ndarray:
-    """`values` zero-padded to `[n]` int32."""
-    out = np.zeros(n, np.int32)
-    out[: len(values)] = values
-    return out
 
 
 def _token_list(prompt) -> list[int]:
@@ -276,8 +259,9 @@ class Engine:
         if self.spec is None:
             schedule = self.scheduler.schedule()
         else:
-            decoding = sum(not s.in_prefill for s in self.scheduler.running)
-            self._gamma, self._predicted = self.controller.choose(decoding)
+            # The controller's batch: requests that will decode (and may draft) this step.
+            self._decoding = sum(not s.in_prefill for s in self.scheduler.running)
+            self._gamma, self._predicted = self.controller.choose(self._decoding)
             schedule = self.scheduler.schedule(self._lookahead)
         self.last_schedule = schedule
         if schedule.is_empty:

@@ -8,17 +8,19 @@ The cache is donated to every call, so it is updated in place. `STEP_TRACE_COUNT
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Sequence as SequenceABC
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.cache.metadata import BatchMetadata
 from jaxinfer.cache.paged import PagedKVCache, copy_blocks
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
-from jaxinfer.sampling import SamplingBatch, sample
+from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 STEP_TRACE_COUNTS: collections.Counter = collections.Counter()  # "step" / "copy" -> traces
 
@@ -95,4 +97,25 @@ def _host_logprobs(ids, sps, chosen, top_ids, top_lp) -> dict[int, tuple]:
         if sp.logprobs is not None:
             top = tuple(zip(top_ids[r, : sp.logprobs].tolist(), top_lp[r, : sp.logprobs].tolist()))
             out[sid] = [(float(chosen[r]), top)]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """A step's device inputs, built on the host before anything reaches the device."""
+
+    meta: BatchMetadata  # T tokens, B sequences
+    src: np.ndarray  # [B] int32 logits row of each sample row
+    sb: SamplingBatch  # [B] rows
+    pos: np.ndarray  # [B] int32 position of each sampled token
+    index: np.ndarray  # [B] int32 sample index
+    ids: list[int]  # [R] seq id of each real sample row
+    shape: tuple[int, int, int]  # (T, B, M)
+    sps: tuple[SamplingParams, ...]  # [R] the request settings of each real sample row
+
+
+def _padded(values: list[int], n: int) -> np.ndarray:
+    """`values` zero-padded to `[n]` int32."""
+    out = np.zeros(n, np.int32)
+    out[: len(values)] = values
     return out

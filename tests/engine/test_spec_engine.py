@@ -160,7 +160,7 @@ def test_rejection_sampling_is_exact_chi_square(tmp_path):
     (a speculation that accepted everything) follow q, and the same test must reject them."""
     tparams = random_params(TINY, seed=1, std=0.6)
     dparams = random_params(TINY, seed=2, std=0.6)
-    prompt, temperature, num = [1, 2, 3, 4, 5], 1.0, 3000
+    prompt, temperature, num = [1, 2, 3, 4, 5], 1.0, 2000
     law = _joint(tparams, prompt, temperature)
     log = str(tmp_path / "cycles.jsonl")
     spec = SpeculativeConfig(drafter=(TINY, dparams), num_speculative_tokens=1)
