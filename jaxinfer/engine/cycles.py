@@ -1,5 +1,9 @@
 """Speculation bookkeeping of the engine: acceptance counters, the γ controller, the cycle log.
 
+    engine = ji.Engine(cfg, params, ji.EngineConfig(speculative=ji.SpeculativeConfig(
+        drafter="ngram", num_speculative_tokens="auto", max_gamma=4)))
+    warm_up(engine, batch_sizes=(1, 2, 4, 8))   # optional: the step-time table before serving
+
 **Counters** (`SpecCounters`): per drafting row and step, γ drafted and a accepted (before stop
 / max_tokens cuts). Position j (0-based) is *reached* when j <= a and *accepted* when j < a, so
 `accepted[j] / reached[j]` is the conditional acceptance α_j of the chain model
@@ -9,7 +13,8 @@
 expected committed tokens per second, B · E[tokens | γ] / t(γ, B). t is a table of measured step
 times (draft + verify seconds) keyed by (γ, padded B), refined online: a cell's first sample
 (which includes compilation) is dropped, the estimate is the median of its last samples, and a
-cell with no estimate yet is tried before any choice is made (exploration, once per cell). α_j
+cell with no estimate yet is tried before any choice is made (exploration, once per cell), unless
+`warm_up` measured it first over the compiled buckets. Only decode-only steps are timed. α_j
 comes from the counters with a Beta(1, 1) prior, so an unseen position predicts 0.5.
 
 **Cycle log** (`EngineConfig.cycle_log`): one JSON line per sampled request per step (see
@@ -160,7 +165,9 @@ def account(engine, schedule, record: dict, outs) -> None:
     committed = {o.seq_id: o.new_token_ids for o in outs}
     gmax = max((s.num_lookahead for s in schedule.seqs), default=0)
     seconds = (record["draft_ms"] + record["verify_ms"]) / 1e3
-    engine.controller.observe(gmax, engine._decoding, seconds)  # the batch choose() saw
+    if all(len(s.token_ids) == 1 and s.sample for s in schedule.seqs):
+        # Decode-only steps: the shape the controller predicts (prefill chunks cost more).
+        engine.controller.observe(gmax, len(schedule.seqs), seconds)
     lines = []
     for sid, (gamma, proposed, accepted) in record["rows"].items():
         engine.spec_counters.add(gamma, accepted)
@@ -184,3 +191,26 @@ def account(engine, schedule, record: dict, outs) -> None:
             )
     if lines:
         engine.cycle_log.write(lines)
+
+
+def warm_up(engine, batch_sizes=(1,), max_tokens: int = 6) -> None:
+    """Measures the controller's step-time table before serving: for every γ in 0..max_gamma
+    and batch size, a scratch engine (same config, fixed γ, its own pool) decodes greedy dummy
+    requests; its decode-step times fill `engine.controller`. Compiles those shapes, too."""
+    import dataclasses
+
+    from jaxinfer.sampling import SamplingParams
+
+    spec, ctl = engine.spec, engine.controller
+    v = engine.cfg.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for g in range(spec.max_gamma + 1):
+        fixed = dataclasses.replace(spec, num_speculative_tokens=g)
+        cfg = dataclasses.replace(engine.config, speculative=fixed, cycle_log=None)
+        scratch = type(engine)(engine.cfg, engine.params, cfg)
+        for b in batch_sizes:
+            prompts = [[(7 * i + j) % v for j in range(8)] for i in range(b)]
+            scratch.generate(prompts, sp)
+        for key, times in scratch.controller.times.items():
+            ctl.seen[key] += scratch.controller.seen[key]
+            ctl.times.setdefault(key, collections.deque(maxlen=_WINDOW)).extend(times)

@@ -219,6 +219,19 @@ def test_cycle_log_adds_up(pair, greedy_ref, tmp_path):
     assert all(r["draft_ms"] >= 0 and r["verify_ms"] > 0 for r in records)
 
 
+def test_controller_warm_up_fills_the_table_and_picks_a_measured_gamma(pair):
+    from jaxinfer.engine.cycles import warm_up
+
+    (cfg, params), _ = pair
+    spec = SpeculativeConfig(num_speculative_tokens="auto", max_gamma=2)
+    engine = Engine(cfg, params, _ecfg(spec))
+    warm_up(engine, batch_sizes=(1, 4))
+    for b in (1, 4):
+        gamma, pred = engine.controller.choose(b)
+        assert all(p is not None and p > 0 for p in pred.values()), pred
+        assert gamma == max(pred, key=pred.get)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
