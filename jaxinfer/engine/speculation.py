@@ -32,6 +32,7 @@ Shapes: R sample rows, G = γmax + 1 verified positions, Bd drafting rows, V voc
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -203,8 +204,6 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
       (seq id -> (committed tokens, [-1] for non-finite logits; position of the first), the
       step's record: per sample row its γ, proposed ids and accepted count; draft / verify ms).
     """
-    import time
-
     spec = engine.spec
     cfg = engine.config
     S = cfg.block_size
