@@ -36,7 +36,7 @@ _LAZY = (
 def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"jaxinfer.{name}")
-    if name in ("Engine", "EngineConfig"):
+    if name in ("Engine", "EngineConfig", "SpeculativeConfig"):
         return getattr(importlib.import_module("jaxinfer.engine"), name)
     if name == "shard_params":  # scale-out; lazy because flax (which it uses) loads Pallas
         return importlib.import_module("jaxinfer.distributed").shard_params

@@ -26,22 +26,25 @@ def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.08) -> dict:
 
 
 def poison_logits(module, jitted: str, jit_kwargs: dict, monkeypatch, mark: int, value: float):
-    """Makes `module.forward` return `value` for every logits row whose last input token is
-    `mark`, and replaces the jitted `module.<jitted>` by a fresh jit of the same function, so that
-    it traces the patched forward (jax caches traces by function object)."""
+    """Makes `forward` (in the module that defines `module.<jitted>`) return `value` for every
+    logits row whose last input token is `mark`, and replaces the jitted `module.<jitted>` by a
+    fresh jit of the same function, so that it traces the patched forward (jax caches traces by
+    function object)."""
+    import sys
     import types
 
-    real = module.__dict__.get("_real_forward", module.forward)
-    monkeypatch.setattr(module, "_real_forward", real, raising=False)
+    core = getattr(module, jitted)
+    core = getattr(core, "__wrapped__", core)
+    home = sys.modules[core.__module__]  # where the jitted function is defined reads `forward`
+    real = home.__dict__.get("_real_forward", home.forward)
+    monkeypatch.setattr(home, "_real_forward", real, raising=False)
 
     def forward(params, cfg, meta, cache, **kw):
         logits, cache = real(params, cfg, meta, cache, **kw)  # [N, V]
         hit = meta.tokens[meta.logits_indices] == mark  # [N]
         return jnp.where(hit[:, None], value, logits), cache
 
-    monkeypatch.setattr(module, "forward", forward)
-    core = getattr(module, jitted)
-    core = getattr(core, "__wrapped__", core)
+    monkeypatch.setattr(home, "forward", forward)
     fresh = types.FunctionType(core.__code__, core.__globals__, core.__name__, core.__defaults__)
     fresh.__kwdefaults__ = core.__kwdefaults__
     monkeypatch.setattr(module, jitted, jax.jit(fresh, **jit_kwargs))

@@ -308,16 +308,18 @@ class BlockAllocator:
         if k == 0:
             return []
         length = self._num_slots[seq_id]
-        cow = length % self.block_size != 0 and self._refcount[table[-1]] > 1
-        grow = cdiv(length + k, self.block_size) - len(table)
+        # The block of slot `length`; lookahead blocks (`reserve_lookahead`) may follow it.
+        last = length // self.block_size
+        cow = length % self.block_size != 0 and self._refcount[table[last]] > 1
+        grow = max(cdiv(length + k, self.block_size) - len(table), 0)
         needed = grow + int(cow)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(needed, self.num_free_blocks)
         copies = []
         if cow:
-            src, dst = table[-1], self._take_block()
+            src, dst = table[last], self._take_block()
             self._refcount[src] -= 1  # still >= 1: other tables hold it
-            table[-1] = dst
+            table[last] = dst
             copies.append((src, dst))
             self.num_cow_copies += 1
         table.extend(self._take_block() for _ in range(grow))
@@ -325,6 +327,41 @@ class BlockAllocator:
         if self._tokens[seq_id] is not None:
             self._tokens[seq_id].extend(int(t) for t in token_ids)
         return copies
+
+    def lookahead_capacity(self, seq_id: int) -> int:
+        """Slots past the sequence's reserved ones that `reserve_lookahead` could give it now."""
+        table = self._table(seq_id)
+        return (len(table) + self.num_free_blocks) * self.block_size - self._num_slots[seq_id]
+
+    def reserve_lookahead(self, seq_id: int, k: int) -> None:
+        """Gives the sequence blocks for `k` slots past its reserved ones without reserving them.
+
+        Speculative decoding writes γ draft positions whose tokens are unknown until verified:
+        the slots exist in the block table (the device may write them) but hold no token ids
+        and never reach the prefix cache. `append_slots` of the accepted tokens fills them;
+        `trim_lookahead` returns the rest. The last partial block must be private (it is after
+        the step's `append_slots`: only a fork shares a partial block, and it copies on append).
+
+        Raises:
+          NoFreeBlocksError: not enough blocks; nothing changed.
+        """
+        table = self._table(seq_id)
+        length = self._num_slots[seq_id]
+        if length % self.block_size:
+            assert self._refcount[table[length // self.block_size]] == 1, "shared partial block"
+        grow = cdiv(length + k, self.block_size) - len(table)
+        if grow > self.num_free_blocks:
+            raise NoFreeBlocksError(grow, self.num_free_blocks)
+        table.extend(self._take_block() for _ in range(max(grow, 0)))
+
+    def trim_lookahead(self, seq_id: int) -> None:
+        """Frees the blocks past the sequence's reserved slots (see `reserve_lookahead`)."""
+        table = self._table(seq_id)
+        keep = cdiv(self._num_slots[seq_id], self.block_size)
+        while len(table) > keep:
+            b = table.pop()  # a lookahead block: private, never registered
+            self._refcount[b] -= 1
+            self._free.append(b)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Makes `child_id` share every block of `parent_id` (one more reference on each)."""

@@ -1,11 +1,8 @@
-"""Serving engine: host-side requests, scheduler and metrics; the device step is engine.py."""
+"""Serving engine: host-side requests, scheduler and metrics (engine.py drives them; the jitted
+device functions are step.py, the failed-step undo recovery.py)."""
 
-from jaxinfer.engine.engine import (
-    Engine,
-    EngineConfig,
-    RequestOutput,
-    StreamOutput,
-)
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.metrics import (
     SLO,
     MetricsCollector,
@@ -14,6 +11,7 @@ from jaxinfer.engine.metrics import (
     RequestRecord,
     StepRecord,
 )
+from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import FinishReason, Request, SeqStatus, Sequence
 from jaxinfer.engine.scheduler import (
     Schedule,
@@ -22,12 +20,14 @@ from jaxinfer.engine.scheduler import (
     SchedulerConfig,
     SeqOutput,
 )
+from jaxinfer.speculative.config import SpeculativeConfig
 
 __all__ = [
     # -------------------------------------------------------------------------- engine
     "Engine",
     "EngineConfig",
     "RequestOutput",
+    "SpeculativeConfig",
     "StreamOutput",
     # ------------------------------------------------------------------------ requests
     "FinishReason",

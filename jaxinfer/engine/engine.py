@@ -23,6 +23,9 @@ the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request 
 `ji.generate`'s output; the forks 1..n-1 of an n > 1 request use
 `fold_in(fold_in(key(seed), sample_index), position)` so the samples differ.
 
+With `EngineConfig.speculative` a step drafts, verifies every request's γ + 1 positions in the one
+ragged forward and commits 1..γ+1 tokens per request (`speculation.py`, `cycles.py`).
+
 A step is a transaction (see `Engine.step`): if it fails after `schedule()`, the scheduler and
 allocator roll back, the step's requests end with finish reason "error" and the exception's
 message in `StreamOutput.error` / `RequestOutput.error`, K/V the step may have overwritten are
@@ -33,168 +36,36 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as SequenceABC
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
-from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
-from jaxinfer.cache.paged import KV_FORMATS, PagedKVCache, copy_blocks, init_cache
-from jaxinfer.checks import check_int
+from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import recovery, speculation
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.cycles import account, init_speculation
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
+from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import Schedule, Scheduler, SchedulerConfig
+from jaxinfer.engine.scheduler import Schedule, Scheduler
+from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
+    _Batch,
+    _copy,
+    _copy_groups,
+    _host_logprobs,
+    _padded,
+    _step,
+    _step_logprobs,
+)
 from jaxinfer.generate import GenerationOutput, validate_requests
-from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params
-from jaxinfer.ops.attention import BACKENDS
-from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
-
-# ------------------------------------------------------------------------------------ config
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """KV pool, scheduling limits and device settings of an `Engine`.
-
-    Attributes:
-      block_size: S, token slots per KV block.
-      num_blocks: KV blocks in the pool, the null block 0 included; the KV memory is
-        `(num_blocks - 1) * block_size` token slots.
-      max_num_seqs: sequences running at once (batch rows of a step).
-      max_num_batched_tokens: tokens computed per step over all sequences.
-      enable_prefix_caching: reuse the K/V of full blocks shared by prompts.
-      enable_chunked_prefill: split prompts across steps and mix them with decodes.
-      long_prefill_threshold: with chunked prefill, at most this many prompt tokens of one
-        sequence per step; None: no cap.
-      backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
-      kv_format: KV-cache storage ("float", "int8", "fp8").
-      kv_dtype: storage dtype of a "float" cache; None: the model's dtype.
-      min_token_bucket: smallest padded T, so the many tiny decode steps share one compilation.
-      min_block_bucket: smallest padded M (blocks per sequence), for the same reason.
-      min_seq_bucket: smallest padded B; `max_num_seqs` fixes B, leaving T and M to vary.
-    """
-
-    block_size: int = 16
-    num_blocks: int = 512
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_threshold: int | None = None
-    backend: str = "auto"
-    kv_format: str = "float"
-    kv_dtype: str | None = None
-    min_token_bucket: int = 16
-    min_block_bucket: int = 8
-    min_seq_bucket: int = 1
-
-    def __post_init__(self):
-        # One int policy (jaxinfer.checks): numpy / jax ints are normalized to Python ints,
-        # bools and floats refused.
-        for name, lo in (
-            ("block_size", 1),
-            ("num_blocks", 2),
-            ("max_num_seqs", 1),
-            ("max_num_batched_tokens", 1),
-            ("min_token_bucket", 1),
-            ("min_block_bucket", 1),
-            ("min_seq_bucket", 1),
-        ):
-            object.__setattr__(
-                self, name, check_int(f"EngineConfig.{name}", getattr(self, name), lo)
-            )
-        if self.long_prefill_threshold is not None:
-            t = check_int("EngineConfig.long_prefill_threshold", self.long_prefill_threshold, 1)
-            object.__setattr__(self, "long_prefill_threshold", t)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"EngineConfig.backend={self.backend!r}: expected one of {BACKENDS}")
-        if self.kv_format not in KV_FORMATS:
-            raise ValueError(
-                f"EngineConfig.kv_format={self.kv_format!r}: expected one of {KV_FORMATS}"
-            )
-        if self.kv_dtype is not None:
-            try:
-                dtype = jnp.dtype(self.kv_dtype)
-            except TypeError:
-                raise ValueError(
-                    f"EngineConfig.kv_dtype={self.kv_dtype!r}: expected None or a dtype name"
-                ) from None
-            # An integer store would truncate K/V; quantized storage is kv_format's business.
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(
-                    f"EngineConfig.kv_dtype={self.kv_dtype!r} is not a floating dtype: a "
-                    f"{dtype} store would truncate K/V; expected a floating dtype (float32, "
-                    f"bfloat16, ...) or kv_format in {KV_FORMATS[1:]} for a quantized cache"
-                )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: expected a bool")
-        self.scheduler_config()  # validates long_prefill_threshold against chunked prefill
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=int(self.max_num_seqs),
-            max_num_batched_tokens=int(self.max_num_batched_tokens),
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_threshold=self.long_prefill_threshold,
-        )
-
-    @property
-    def kv_slots(self) -> int:
-        """Usable KV token slots of the pool (the null block excluded)."""
-        return (self.num_blocks - 1) * self.block_size
-
-
-# ------------------------------------------------------------------------------------ outputs
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamOutput:
-    """New tokens of one sample of a request after a step."""
-
-    request_id: Hashable
-    sample_index: int  # 0 .. n-1
-    new_token_ids: list[int]
-    finished: bool  # this sample finished
-    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
-    request_finished: bool  # every sample of the request finished
-    error: str | None = None  # with finish_reason "error": what failed (the exception's message)
-    # With SamplingParams.logprobs: per new token (its logprob, ((id, logprob), ...) top-k).
-    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput(GenerationOutput):
-    """One request's result: `token_ids` / `finish_reason` of sample 0, and every sample.
-
-    A failed request (see `Engine.step`) has finish_reason "error" and `error` its message;
-    `token_ids` holds what it streamed before the failure.
-    """
-
-    request_id: Hashable = None
-    samples: tuple[GenerationOutput, ...] = ()  # [n] in sample order; samples[0] is the above
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """A step's device inputs, built on the host before anything reaches the device."""
-
-    meta: BatchMetadata  # T tokens, B sequences
-    src: np.ndarray  # [B] int32 logits row of each sample row
-    sb: SamplingBatch  # [B] rows
-    pos: np.ndarray  # [B] int32 position of each sampled token
-    index: np.ndarray  # [B] int32 sample index
-    ids: list[int]  # [R] seq id of each real sample row
-    shape: tuple[int, int, int]  # (T, B, M)
-    sps: tuple[SamplingParams, ...]  # [R] the request settings of each real sample row
+from jaxinfer.sampling import SamplingBatch, SamplingParams
 
 
 @dataclasses.dataclass
@@ -207,102 +78,11 @@ class _Live:
     reasons: list[str | None]  # [n]
 
 
-# ------------------------------------------------------------------------------------ device
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
-def _step(
-    params: dict,
-    cache: PagedKVCache,
-    meta: BatchMetadata,  # T tokens, B sequences, N = B logits rows
-    sample_src: jax.Array,  # [B] int32 logits row of each sample row
-    sb: SamplingBatch,  # [B] rows
-    sample_pos: jax.Array,  # [B] int32 position of each sampled token
-    sample_index: jax.Array,  # [B] int32
-    *,
-    cfg: ModelConfig,
-    backend: str,
-) -> tuple[jax.Array, PagedKVCache]:
-    logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
-    rows = logits[sample_src]  # [B, V]
-    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
-    # A NaN / Inf row would sample an arbitrary token (argmax of NaN is 0): flag it as -1, so
-    # the one [B] transfer carries the check too.
-    return jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), cache
-
-
-def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
-    """Log-probabilities of `tokens [B]` under `logits [B, V]` and the top `k` of each row."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]  # [B]
-    top_lp, top_ids = jax.lax.top_k(logp, k)  # [B, k]
-    return chosen, top_ids, top_lp
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "backend", "num_logprobs"), donate_argnames=("cache",)
-)
-def _step_logprobs(
-    params, cache, meta, sample_src, sb, sample_pos, sample_index, *, cfg, backend, num_logprobs
-):
-    """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`)."""
-    logits, cache = forward(params, cfg, meta, cache, backend=backend)
-    rows = logits[sample_src]  # [B, V]
-    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
-    lp = _token_logprobs(rows, tokens, num_logprobs)
-    return (jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), lp), cache
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
-    return copy_blocks(cache, src, dst)
-
-
-def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Splits ordered copies into groups one parallel scatter applies exactly: a copy starts a new
-    group if it reads or overwrites a block an earlier copy of the group wrote."""
-    groups: list[list[tuple[int, int]]] = []
-    written: set[int] = set()
-    for src, dst in copies:
-        if not groups or src in written or dst in written:
-            groups.append([])
-            written = set()
-        groups[-1].append((src, dst))
-        written.add(dst)
-    return groups
-
-
-def _host_logprobs(ids, sps, chosen, top_ids, top_lp) -> dict[int, tuple]:
-    """seq id -> [(logprob, ((id, logprob), ...))] for the rows that asked for logprobs."""
-    out = {}
-    for r, (sid, sp) in enumerate(zip(ids, sps)):
-        if sp.logprobs is not None:
-            top = tuple(zip(top_ids[r, : sp.logprobs].tolist(), top_lp[r, : sp.logprobs].tolist()))
-            out[sid] = [(float(chosen[r]), top)]
-    return out
-
-
-def _padded(values: list[int], n: int) -> np.ndarray:
-    """`values` zero-padded to `[n]` int32."""
-    out = np.zeros(n, np.int32)
-    out[: len(values)] = values
-    return out
-
-
 def _token_list(prompt) -> list[int]:
     """A validated prompt (list, tuple, numpy or jax array) as Python ints, in one transfer."""
     if hasattr(prompt, "__array__"):
         return np.asarray(prompt).tolist()
     return [int(t) for t in prompt]
-
-
-def _written_blocks(schedule: Schedule, block_size: int) -> set[int]:
-    """Blocks a step writes K/V into: its sequences' blocks from the first computed position on
-    (copy-on-write destinations among them)."""
-    written = {dst for _, dst in schedule.block_copies}
-    for s in schedule.seqs:
-        written.update(s.block_table[s.start_pos // block_size :])
-    return written
 
 
 def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
@@ -333,6 +113,7 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        detokenize: Callable[[list[int]], str] | None = None,
     ):
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
@@ -362,6 +143,10 @@ class Engine:
         self.num_failed_steps = 0  # steps undone after an exception (their requests failed)
         self.last_schedule: Schedule | None = None
         self._step_logprobs: dict[int, tuple] = {}  # seq id -> its logprobs of the last step
+        init_speculation(self, detokenize)
+
+    def _lookahead(self, seq) -> int:
+        return self._gamma
 
     # ------------------------------------------------------------------------ requests
 
@@ -371,6 +156,11 @@ class Engine:
             raise ValueError(f"sampling[{index}] is {type(sp).__name__}, expected SamplingParams")
         if request_id in self.metrics_collector.requests:
             raise ValueError(f"request id {request_id!r} was used already")
+        if self.config.speculative is not None and sp.logprobs is not None:
+            raise ValueError(
+                f"request {index} ({request_id!r}): logprobs={sp.logprobs} is not supported with "
+                "EngineConfig.speculative; expected logprobs=None"
+            )
         probe_id = ("probe", index)
         try:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
@@ -465,31 +255,46 @@ class Engine:
           One StreamOutput per sample that received tokens, or failed, this step, in schedule
           order (failed requests last).
         """
-        schedule = self.scheduler.schedule()
+        if self.spec is None:
+            schedule = self.scheduler.schedule()
+        else:
+            # The controller's batch: requests that will decode (and may draft) this step.
+            self._decoding = sum(not s.in_prefill for s in self.scheduler.running)
+            self._gamma, self._predicted = self.controller.choose(self._decoding)
+            schedule = self.scheduler.schedule(self._lookahead)
         self.last_schedule = schedule
         if schedule.is_empty:
             self.scheduler.update(schedule, {})
             return []
         self._touched_device = False
+        record = None
         try:
-            batch = self._build(schedule)
-            self._touched_device = True  # from here on the cache is donated
-            self._apply_copies(schedule.block_copies)
-            sampled = self._run(batch)  # seq id -> (token or -1, position)
+            if self.spec is None:
+                batch = self._build(schedule)
+                self._touched_device = True  # from here on the cache is donated
+                self._apply_copies(schedule.block_copies)
+                # seq id -> ([token] or [-1], position)
+                sampled = {sid: ([t], p) for sid, (t, p) in self._run(batch).items()}
+            else:
+                self._touched_device = True
+                self._apply_copies(schedule.block_copies)
+                sampled, record = speculation.run(self, schedule)  # 1..γ+1 tokens per row
             # Rows with non-finite logits get a placeholder token for update(); their requests
             # fail right after it.
-            bad = {sid: pos for sid, (tok, pos) in sampled.items() if tok < 0}
+            bad = {sid: pos for sid, (toks, pos) in sampled.items() if toks[0] < 0}
             outs = self.scheduler.update(
-                schedule, {sid: [max(tok, 0)] for sid, (tok, _) in sampled.items()}
+                schedule, {sid: [max(t, 0) for t in toks] for sid, (toks, _) in sampled.items()}
             )
         except Exception as e:
             return self._recover(schedule, e)
         except BaseException:  # KeyboardInterrupt and the like: undo, fail nobody, re-raise
-            self._undo(schedule)
-            self._forget_written(schedule)
+            recovery.undo(self, schedule)
+            recovery.forget_written(self, schedule)
             raise
         now = self.clock()
         self.num_steps += 1
+        if record is not None:
+            account(self, schedule, record, outs)
         failed: dict[Hashable, str] = {}  # request -> error, for non-finite logits
         for sid, pos in bad.items():
             rid = self._rid_of[sid]
@@ -543,73 +348,20 @@ class Engine:
         return stream
 
     # ------------------------------------------------------------------------ failures
+    # ------------------------------------------------------------------------ failures
 
     def _recover(self, schedule: Schedule, error: Exception) -> list[StreamOutput]:
         """Undoes a failed step and fails its requests (see `step`)."""
         self.num_failed_steps += 1
-        self._undo(schedule)
+        recovery.undo(self, schedule)
         message = str(error) or type(error).__name__
         now = self.clock()
         stream: list[StreamOutput] = []
         for rid in dict.fromkeys(s.request_id for s in schedule.seqs):  # ordered, unique
             if rid in self._live:
                 stream += self._fail(rid, message, now)
-        self._forget_written(schedule)
+        recovery.forget_written(self, schedule)
         return stream
-
-    def _undo(self, schedule: Schedule) -> None:
-        """Rolls the scheduler back and recomputes the K/V the failed step may have spoilt.
-
-        The rolled-back state refers to the K/V of before the step. The step wrote (or may have
-        written) only the blocks its sequences compute into and the copies' destinations: before
-        the step those were free, cached (evictable), held by a sequence the step preempted, or
-        the scheduled sequences' own uncomputed slots. So the preempted sequences holding a
-        written block are preempted again (recompute), and `_forget_written` takes the written
-        blocks out of the prefix cache once the failed requests freed theirs. If the cache itself
-        is gone (donated to a device call that failed), everything is recomputed on a new cache.
-        """
-        self.scheduler.rollback()
-        if not self._touched_device:
-            return  # nothing reached the device: the state before the step is exact
-        if not self._cache_alive():
-            self.cache = init_cache(
-                self.cfg,
-                self.config.num_blocks,
-                self.config.block_size,
-                dtype=self.config.kv_dtype,
-                kv_format=self.config.kv_format,
-            )
-            for seq in self.scheduler.running:
-                self.scheduler.preempt(seq.seq_id)
-            self.allocator.reset_prefix_cache()  # no block is held now: every entry goes
-            return
-        written = _written_blocks(schedule, self.config.block_size)
-        for sid in schedule.preempted_seq_ids:
-            if self.allocator.has_seq(sid) and written & set(self.allocator.block_table(sid)):
-                self.scheduler.preempt(sid)
-
-    def _forget_written(self, schedule: Schedule) -> None:
-        """Takes the blocks a failed step wrote out of the prefix cache (after `_undo` and the
-        failed requests' aborts, no table holds one)."""
-        if not self._touched_device:
-            return
-        written = _written_blocks(schedule, self.config.block_size)
-        if any(self.allocator.refcount(b) for b in written):
-            # Not expected (see `_undo`); recompute everything rather than trust a stale block.
-            for seq in self.scheduler.running:
-                self.scheduler.preempt(seq.seq_id)
-        self.allocator.invalidate(sorted(written))
-
-    def _cache_alive(self) -> bool:
-        """Whether the cache arrays exist and hold no error (a failed call may consume them)."""
-        try:
-            leaves = jax.tree.leaves(self.cache)
-            if any(x.is_deleted() for x in leaves):
-                return False
-            jax.block_until_ready(leaves)
-            return True
-        except Exception:
-            return False
 
     def _fail(self, rid: Hashable, error: str, now: float) -> list[StreamOutput]:
         """Ends a live request with finish reason "error"; returns the outputs of its samples
@@ -647,6 +399,8 @@ class Engine:
             dst = np.zeros(n, np.int32)
             src[: len(group)], dst[: len(group)] = zip(*group)
             self.cache = _copy(self.cache, src, dst)
+            if self.dcache is not None:
+                self.dcache = _copy(self.dcache, src, dst)
 
     def _build(self, schedule: Schedule) -> _Batch:
         """The padded device batch of a schedule (host only)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as SequenceABC
 
 from jaxinfer.cache.allocator import BlockAllocator, NoFreeBlocksError
@@ -86,6 +86,9 @@ class ScheduledSeq:
     block_table: list[int]  # [cdiv(start_pos + q_len, S)] physical blocks for positions 0..end
     sample: bool  # sample from the logits of the last token
     sample_seq_ids: tuple[int, ...]  # one sampled token each, from those logits; () if not sample
+    # Speculation: γ draft positions after token_ids (a decode only), slots in block_table; the
+    # engine verifies token_ids + γ drafts and `update` gets 1..γ+1 tokens for the sequence.
+    num_lookahead: int = 0
 
 
 @dataclasses.dataclass
@@ -169,6 +172,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
+    def sequence(self, seq_id: int) -> Sequence:
+        """A live sequence by id."""
+        return self._seqs[seq_id]
+
     def sequences(self, request_id: Hashable) -> list[Sequence]:
         """The sequences of a live request, finished ones included ([] once it is done)."""
         return list(self._requests.get(request_id, ()))
@@ -238,8 +245,14 @@ class Scheduler:
 
     # --------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> Schedule:
-        """Decides the next step (see the module docstring for the policy)."""
+    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> Schedule:
+        """Decides the next step (see the module docstring for the policy).
+
+        Args:
+          lookahead: speculation: the γ wanted for a decoding sequence. Each decode then takes
+            1 + γ tokens of the budget (γ cut to the budget left, to max_tokens and to the free
+            blocks: speculation never preempts), and `ScheduledSeq.num_lookahead` says γ.
+        """
         if self._pending is not None or self._before is not None:
             raise RuntimeError(
                 "schedule() called again before update() or rollback() of the previous step "
@@ -268,9 +281,10 @@ class Scheduler:
             if not self._reserve_slots(seq, scheduled, copies, preempted):
                 continue  # preempted itself
             q = min(q, budget)
-            out.append(self._scheduled(seq, q))
+            g = self._lookahead(seq, q, budget - q, lookahead)
+            out.append(self._scheduled(seq, q, g))
             scheduled.add(seq.seq_id)
-            budget -= q
+            budget -= q + g
 
         # 2. Unfinished prefills (their slots were reserved at admission), oldest first.
         for seq in list(self._running):
@@ -346,6 +360,18 @@ class Scheduler:
                 if victim is seq:
                     return False
 
+    def _lookahead(self, seq: Sequence, q: int, budget: int, want) -> int:
+        """The γ of a decode (0 if not speculating), its lookahead blocks reserved."""
+        single = seq.sample_index > 0 or seq.forked or seq.request.n == 1
+        if want is None or q != 1 or not single:
+            return 0
+        remaining = seq.request.max_tokens - seq.num_output_tokens  # tokens it may still commit
+        g = min(want(seq), budget, remaining - 1, self.allocator.lookahead_capacity(seq.seq_id))
+        if g <= 0:
+            return 0
+        self.allocator.reserve_lookahead(seq.seq_id, g)
+        return g
+
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq.seq_id)
         self._running.remove(seq)
@@ -354,7 +380,7 @@ class Scheduler:
         self._waiting.appendleft(seq)  # newest preempted first, so the front stays FCFS
         self.num_preemptions += 1
 
-    def _scheduled(self, seq: Sequence, q: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, q: int, lookahead: int = 0) -> ScheduledSeq:
         start = seq.num_computed
         end = start + q
         sample = end == len(seq.token_ids)
@@ -362,7 +388,8 @@ class Scheduler:
         if sample:
             ids = self._seq_ids[seq.request_id]
             sample_ids = ids if seq.sample_index == 0 and not seq.forked else (seq.seq_id,)
-        table = self.allocator.block_table(seq.seq_id)[: _cdiv(end, self.allocator.block_size)]
+        span = _cdiv(end + lookahead, self.allocator.block_size)
+        table = self.allocator.block_table(seq.seq_id)[:span]
         return ScheduledSeq(
             seq_id=seq.seq_id,
             request_id=seq.request_id,
@@ -371,6 +398,7 @@ class Scheduler:
             block_table=table,
             sample=sample,
             sample_seq_ids=sample_ids,
+            num_lookahead=lookahead,
         )
 
     # ----------------------------------------------------------------------------- update
@@ -423,6 +451,13 @@ class Scheduler:
                 seq.forked = True
             for target in targets:
                 new = target.append_tokens(sampled[target.seq_id])
+                if s.num_lookahead and not target.is_finished:
+                    # The accepted drafts' K/V are in the lookahead slots: reserve those slots
+                    # (the last token, a correction or bonus, is computed next step).
+                    self.allocator.append_slots(target.seq_id, new[:-1])
+                    target.num_computed += len(new) - 1
+                    self.allocator.mark_computed(target.seq_id, target.num_computed)
+                    self.allocator.trim_lookahead(target.seq_id)
                 if target.is_finished:
                     self.allocator.free(target.seq_id)
                     self._running.remove(target)

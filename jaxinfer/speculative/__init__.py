@@ -5,7 +5,6 @@ for tokens per cycle, cycle time and the choice of γ; `loop` runs speculative g
 `cycle_log` records its cycles; `autotune` reads them into the speedup model to choose γ.
 """
 
-
 # ---------------------------------------------------------------------------------------------
 # Acceptance (one cycle's decision, jitted).
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +39,7 @@ from jaxinfer.speculative.speedup import (
 # ---------------------------------------------------------------------------------------------
 from jaxinfer.speculative.drafters import ngram_propose
 from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput
+from jaxinfer.speculative.config import SpeculativeConfig
 
 # ---------------------------------------------------------------------------------------------
 # Cycle logs (cycle_log.py: the host-driven loop, JSONL records) and γ tuning (autotune.py:
@@ -83,6 +83,7 @@ __all__ = [
     "speedup",
     # loop
     "ACCEPTANCE_MODES",
+    "SpeculativeConfig",
     "SpeculativeOutput",
     "generate",
     "ngram_propose",

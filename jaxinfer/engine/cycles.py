@@ -1,0 +1,216 @@
+"""Speculation bookkeeping of the engine: acceptance counters, the γ controller, the cycle log.
+
+    engine = ji.Engine(cfg, params, ji.EngineConfig(speculative=ji.SpeculativeConfig(
+        drafter="ngram", num_speculative_tokens="auto", max_gamma=4)))
+    warm_up(engine, batch_sizes=(1, 2, 4, 8))   # optional: the step-time table before serving
+
+**Counters** (`SpecCounters`): per drafting row and step, γ drafted and a accepted (before stop
+/ max_tokens cuts). Position j (0-based) is *reached* when j <= a and *accepted* when j < a, so
+`accepted[j] / reached[j]` is the conditional acceptance α_j of the chain model
+(`speculative.speedup.expected_tokens_per_cycle`).
+
+**Controller** (`GammaController`): picks γ in 0..max_gamma for the step, maximising the batch's
+expected committed tokens per second, B · E[tokens | γ] / t(γ, B). t is a table of measured step
+times (draft + verify seconds) keyed by (γ, padded B), refined online: a cell's first sample
+(which includes compilation) is dropped, the estimate is the median of its last samples, and a
+cell with no estimate yet is tried before any choice is made (exploration, once per cell), unless
+`warm_up` measured it first over the compiled buckets. Only decode-only steps are timed. α_j
+comes from the counters with a Beta(1, 1) prior, so an unseen position predicts 0.5.
+
+**Cycle log** (`EngineConfig.cycle_log`): one JSON line per sampled request per step (see
+`CycleLog.write`); `experiments/engine_cycles.py` reads it back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxinfer.cache.metadata import bucket
+from jaxinfer.speculative.speedup import expected_tokens_per_cycle
+
+_WINDOW = 16  # step-time samples kept per cell
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """Acceptance counters over a run (see the module docstring)."""
+
+    max_gamma: int
+    cycles: int = 0  # drafting (row, step) pairs
+    proposed: int = 0  # draft tokens
+    accepted: int = 0  # accepted draft tokens
+    reached: np.ndarray = None  # [max_gamma] int64
+    accepted_at: np.ndarray = None  # [max_gamma] int64
+
+    def __post_init__(self):
+        self.reached = np.zeros(self.max_gamma, np.int64)
+        self.accepted_at = np.zeros(self.max_gamma, np.int64)
+
+    def add(self, gamma: int, accepted: int) -> None:
+        if gamma == 0:
+            return
+        self.cycles += 1
+        self.proposed += gamma
+        self.accepted += accepted
+        j = np.arange(gamma)
+        self.reached[:gamma] += j <= accepted
+        self.accepted_at[:gamma] += j < accepted
+
+    def alpha(self) -> np.ndarray:
+        """Per-position α `[max_gamma]` with a Beta(1, 1) prior."""
+        return (self.accepted_at + 1.0) / (self.reached + 2.0)
+
+
+class GammaController:
+    """γ per step: fixed, or "auto" (see the module docstring)."""
+
+    def __init__(self, max_gamma: int, fixed: int | None, counters: SpecCounters):
+        self.max_gamma = max_gamma
+        self.fixed = fixed
+        self.counters = counters
+        self.times: dict[tuple[int, int], collections.deque] = {}
+        self.seen: collections.Counter = collections.Counter()
+
+    def expected_tokens(self, gamma: int) -> float:
+        if gamma == 0:
+            return 1.0
+        return expected_tokens_per_cycle(self.counters.alpha(), gamma)
+
+    def step_time(self, gamma: int, batch: int) -> float | None:
+        t = self.times.get((gamma, bucket(max(batch, 1))))
+        return float(np.median(t)) if t else None
+
+    def choose(self, batch: int) -> tuple[int, dict[int, float | None]]:
+        """(γ for a step of `batch` decoding requests, predicted tokens/s per candidate γ)."""
+        if self.fixed is not None:
+            return self.fixed, {}
+        pred: dict[int, float | None] = {}
+        for g in range(self.max_gamma + 1):
+            t = self.step_time(g, batch)
+            pred[g] = None if t is None else max(batch, 1) * self.expected_tokens(g) / t
+        unmeasured = [g for g, p in pred.items() if p is None]
+        if unmeasured:
+            return unmeasured[0], pred
+        return max(pred, key=lambda g: pred[g]), pred
+
+    def observe(self, gamma: int, batch: int, seconds: float) -> None:
+        """A step of `batch` decoding requests at `gamma` took `seconds` (draft + verify)."""
+        key = (gamma, bucket(max(batch, 1)))
+        self.seen[key] += 1
+        if self.seen[key] == 1:
+            return  # the first run of a shape compiles
+        self.times.setdefault(key, collections.deque(maxlen=_WINDOW)).append(seconds)
+
+
+def _jsonable(x):
+    try:
+        json.dumps(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+class CycleLog:
+    """Appends one JSON line per sampled request per step to `path`."""
+
+    def __init__(self, path: str, detokenize: Callable[[list[int]], str] | None = None):
+        self.path = path
+        self.detokenize = detokenize
+        open(path, "w").close()
+
+    def write(self, records: list[dict]) -> None:
+        """Each record: step, request_id, sample_index, gamma, proposed, accepted, committed,
+        text (with a detokenize callable), draft_ms, verify_ms, batch_size, num_tokens,
+        gamma_chosen, predicted_tps ({γ: tokens/s or None} of the controller; {} if fixed)."""
+        with open(self.path, "a") as f:
+            for r in records:
+                r = dict(r, request_id=_jsonable(r["request_id"]))
+                if self.detokenize is not None:
+                    r["text"] = self.detokenize(r["committed"])
+                f.write(json.dumps(r) + "\n")
+
+
+def init_speculation(engine, detokenize) -> None:
+    """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
+    controller, cycle log; all None without speculation."""
+    from jaxinfer.cache.paged import init_cache
+    from jaxinfer.model.params import check_params
+
+    spec = engine.spec = engine.config.speculative
+    engine.dcache = None
+    engine.spec_counters = engine.controller = engine.cycle_log = None
+    engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
+    if spec is None:
+        return
+    spec.check_target(engine.cfg)
+    if spec.draft_model is not None:
+        dcfg, dparams = spec.draft_model
+        check_params(dcfg, dparams)
+        # Same block ids as the target's cache (see speculation.py): one allocator for both.
+        engine.dcache = init_cache(dcfg, engine.config.num_blocks, engine.config.block_size)
+    engine.spec_counters = SpecCounters(spec.max_gamma)
+    fixed = None if spec.auto else spec.num_speculative_tokens
+    engine.controller = GammaController(spec.max_gamma, fixed, engine.spec_counters)
+    if engine.config.cycle_log is not None:
+        engine.cycle_log = CycleLog(engine.config.cycle_log, detokenize)
+
+
+def account(engine, schedule, record: dict, outs) -> None:
+    """Counters, controller timings and the cycle log of a speculative step."""
+    committed = {o.seq_id: o.new_token_ids for o in outs}
+    gmax = max((s.num_lookahead for s in schedule.seqs), default=0)
+    seconds = (record["draft_ms"] + record["verify_ms"]) / 1e3
+    if all(len(s.token_ids) == 1 and s.sample for s in schedule.seqs):
+        # Decode-only steps: the shape the controller predicts (prefill chunks cost more).
+        engine.controller.observe(gmax, len(schedule.seqs), seconds)
+    lines = []
+    for sid, (gamma, proposed, accepted) in record["rows"].items():
+        engine.spec_counters.add(gamma, accepted)
+        if engine.cycle_log is not None and sid in engine._rid_of:
+            lines.append(
+                dict(
+                    step=engine.num_steps,
+                    request_id=engine._rid_of[sid],
+                    sample_index=engine._sample_index[sid],
+                    gamma=gamma,
+                    proposed=proposed,
+                    accepted=accepted,
+                    committed=list(committed.get(sid, [])),
+                    draft_ms=record["draft_ms"],
+                    verify_ms=record["verify_ms"],
+                    batch_size=record["batch_size"],
+                    num_tokens=record["num_tokens"],
+                    gamma_chosen=engine._gamma,
+                    predicted_tps={str(g): v for g, v in engine._predicted.items()},
+                )  # fmt: skip
+            )
+    if lines:
+        engine.cycle_log.write(lines)
+
+
+def warm_up(engine, batch_sizes=(1,), max_tokens: int = 6) -> None:
+    """Measures the controller's step-time table before serving: for every γ in 0..max_gamma
+    and batch size, a scratch engine (same config, fixed γ, its own pool) decodes greedy dummy
+    requests; its decode-step times fill `engine.controller`. Compiles those shapes, too."""
+    import dataclasses
+
+    from jaxinfer.sampling import SamplingParams
+
+    spec, ctl = engine.spec, engine.controller
+    v = engine.cfg.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for g in range(spec.max_gamma + 1):
+        fixed = dataclasses.replace(spec, num_speculative_tokens=g)
+        cfg = dataclasses.replace(engine.config, speculative=fixed, cycle_log=None)
+        scratch = type(engine)(engine.cfg, engine.params, cfg)
+        for b in batch_sizes:
+            prompts = [[(7 * i + j) % v for j in range(8)] for i in range(b)]
+            scratch.generate(prompts, sp)
+        for key, times in scratch.controller.times.items():
+            ctl.seen[key] += scratch.controller.seen[key]
+            ctl.times.setdefault(key, collections.deque(maxlen=_WINDOW)).extend(times)

@@ -1,0 +1,103 @@
+"""`SpeculativeConfig`: speculative decoding inside the serving engine (`ji.EngineConfig`).
+
+    ji.EngineConfig(speculative=ji.SpeculativeConfig(drafter="ngram", num_speculative_tokens=3))
+    ji.EngineConfig(speculative=ji.SpeculativeConfig(drafter=(dcfg, dparams),
+                                                     num_speculative_tokens="auto", max_gamma=6))
+
+The engine and the standalone loop (`ji.speculative.generate`) share the drafters
+(`drafters.py`: n-gram prompt lookup, a draft model) and the acceptance functions
+(`acceptance.py`); see `jaxinfer/engine/speculation.py` for the engine's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.checks import check_int
+from jaxinfer.config import ModelConfig
+
+DRAFTERS = ("ngram", "model")  # by name; the model drafter is given as (dcfg, dparams)
+ACCEPTANCE = ("rejection", "coupled")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SpeculativeConfig:
+    """Speculative decoding in the engine.
+
+    Attributes:
+      drafter: "ngram" (prompt lookup, no model) or `(dcfg, dparams)`, a draft model sharing the
+        target's vocabulary (its own paged KV cache on the target's block tables).
+      num_speculative_tokens: γ, drafted tokens per decoding request per step, in 0..max_gamma
+        (0 is plain decoding); "auto": the controller picks γ every step for the batch.
+      acceptance: "rejection" (exact in distribution) or "coupled" (token-identical to plain
+        sampling with the same seeds: drafter and target share per-position Gumbel noise).
+        Temperature-0 rows are greedy in both.
+      max_gamma: the largest γ; None: num_speculative_tokens if it is an int, else 4. Fixes the
+        draft's compiled length, so one program serves every γ of a run.
+      ngram_max: the n-gram drafter's longest suffix match.
+    """
+
+    drafter: str | tuple = "ngram"
+    num_speculative_tokens: int | str = 3
+    acceptance: str = "rejection"
+    max_gamma: int | None = None
+    ngram_max: int = 3
+
+    def __post_init__(self):
+        d = self.drafter
+        if isinstance(d, str):
+            if d == "model":
+                raise ValueError(
+                    "SpeculativeConfig.drafter='model' needs a model: pass (dcfg, dparams)"
+                )
+            if d not in DRAFTERS:
+                raise ValueError(
+                    f"SpeculativeConfig.drafter={d!r}: expected 'ngram' or (dcfg, dparams)"
+                )
+        elif not (isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], ModelConfig)):
+            raise ValueError(
+                f"SpeculativeConfig.drafter={type(d).__name__}: expected 'ngram' or "
+                "(ModelConfig, params)"
+            )
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(
+                f"SpeculativeConfig.acceptance={self.acceptance!r}: expected one of {ACCEPTANCE}"
+            )
+        n = self.num_speculative_tokens
+        auto = n == "auto"
+        if not auto:
+            if isinstance(n, str):
+                raise ValueError(
+                    f"SpeculativeConfig.num_speculative_tokens={n!r}: expected an int or 'auto'"
+                )
+            n = check_int("SpeculativeConfig.num_speculative_tokens", n, 0)
+            object.__setattr__(self, "num_speculative_tokens", n)
+        g = self.max_gamma
+        if g is None:
+            g = 4 if auto else max(n, 1)
+        g = check_int("SpeculativeConfig.max_gamma", g, 1)
+        object.__setattr__(self, "max_gamma", g)
+        if not auto and n > g:
+            raise ValueError(f"SpeculativeConfig.num_speculative_tokens={n} is above max_gamma={g}")
+        object.__setattr__(
+            self, "ngram_max", check_int("SpeculativeConfig.ngram_max", self.ngram_max, 1)
+        )
+
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def draft_model(self) -> tuple | None:
+        """(dcfg, dparams) of the model drafter; None for n-gram."""
+        return None if isinstance(self.drafter, str) else self.drafter
+
+    def check_target(self, cfg: ModelConfig) -> None:
+        """Raises ValueError if the drafter cannot serve the target `cfg`."""
+        dm = self.draft_model
+        if dm is not None and dm[0].vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"SpeculativeConfig.drafter: the draft model's vocabulary ({dm[0].vocab_size} "
+                f"tokens) differs from the target's ({cfg.vocab_size}); drafter and target "
+                "must share a tokenizer"
+            )
