@@ -27,49 +27,21 @@ Every mutating method is all-or-nothing: on `NoFreeBlocksError` the state is unc
 from __future__ import annotations
 
 import collections
-import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from jaxinfer.cache import allocator_state
-from jaxinfer.cache.allocator_state import NULL_BLOCK, cdiv
+from jaxinfer.cache.allocator_state import (  # noqa: F401  (the allocator's types, re-exported)
+    NULL_BLOCK,
+    BlockHashFn,
+    CachedBlock,
+    KVUsage,
+    NoFreeBlocksError,
+    cdiv,
+    default_block_hash,
+)
 from jaxinfer.checks import as_int
-
-BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
-
-
-def default_block_hash(parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
-    """Hash of a full block given its parent's hash (None for the first block) and its tokens."""
-    return hash((parent_hash, token_ids))
-
-
-class NoFreeBlocksError(RuntimeError):
-    """Raised when an operation needs more blocks than the pool can hand out; state is unchanged."""
-
-    def __init__(self, needed: int, available: int):
-        super().__init__(f"need {needed} free KV blocks but only {available} can be handed out")
-        self.needed = needed
-        self.available = available
-
-
-@dataclasses.dataclass(frozen=True)
-class _CachedBlock:
-    block_hash: Hashable  # key in the hash -> block index
-    parent: int  # physical id of the previous block in the chain; NULL_BLOCK for the first
-    token_ids: tuple[int, ...]  # [S] the tokens whose K/V the block holds
-
-
-@dataclasses.dataclass(frozen=True)
-class KVUsage:
-    """A snapshot of pool occupancy, for metrics."""
-
-    num_total_blocks: int  # usable blocks (the null block excluded)
-    num_used_blocks: int  # refcount > 0
-    num_cached_blocks: int  # refcount 0, findable by the prefix cache
-    num_free_blocks: int  # refcount 0, holding nothing
-    num_filled_slots: int  # slots of used blocks that hold a token of some sequence
-    block_size: int  # S
 
 
 class BlockAllocator:
@@ -112,7 +84,7 @@ class BlockAllocator:
         self._chain: dict[int, list[Hashable]] = {}  # seq -> hashes of its registered prefix
         self._broken: set[int] = set()  # seqs whose chain stopped (duplicate or collision)
         self._hash_to_block: dict[Hashable, int] = {}
-        self._cached: dict[int, _CachedBlock] = {}  # registered blocks
+        self._cached: dict[int, CachedBlock] = {}  # registered blocks
         self._children: dict[int, set[int]] = {}  # registered block -> registered children
 
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -426,7 +398,7 @@ class BlockAllocator:
                 self._broken.add(seq_id)
                 return
             parent = table[i - 1] if i else NULL_BLOCK
-            self._cached[b] = _CachedBlock(h, parent, block_tokens)
+            self._cached[b] = CachedBlock(h, parent, block_tokens)
             self._hash_to_block[h] = b
             self._children.setdefault(parent, set()).add(b)
             chain.append(h)

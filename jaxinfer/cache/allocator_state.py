@@ -1,4 +1,4 @@
-"""The allocator's state as a whole: snapshots, invariant checks, save and restore.
+"""The allocator's types and its state as a whole: snapshots, invariant checks, save and restore.
 
 `BlockAllocator` (allocator.py) owns the bookkeeping; these functions read and rewrite all of it
 at once, for tests (`snapshot`, `check_invariants`) and for the engine's failed-step undo
@@ -11,12 +11,51 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+from collections.abc import Callable, Hashable
 
 NULL_BLOCK = 0  # reserved for padding; never allocated (re-exported by allocator.py)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
+
+
+def default_block_hash(parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
+    """Hash of a full block given its parent's hash (None for the first block) and its tokens."""
+    return hash((parent_hash, token_ids))
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an operation needs more blocks than the pool can hand out; state is unchanged."""
+
+    def __init__(self, needed: int, available: int):
+        super().__init__(f"need {needed} free KV blocks but only {available} can be handed out")
+        self.needed = needed
+        self.available = available
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedBlock:
+    """A block registered in the prefix cache."""
+
+    block_hash: Hashable  # key in the hash -> block index
+    parent: int  # physical id of the previous block in the chain; NULL_BLOCK for the first
+    token_ids: tuple[int, ...]  # [S] the tokens whose K/V the block holds
+
+
+@dataclasses.dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of pool occupancy, for metrics."""
+
+    num_total_blocks: int  # usable blocks (the null block excluded)
+    num_used_blocks: int  # refcount > 0
+    num_cached_blocks: int  # refcount 0, findable by the prefix cache
+    num_free_blocks: int  # refcount 0, holding nothing
+    num_filled_slots: int  # slots of used blocks that hold a token of some sequence
+    block_size: int  # S
 
 
 @dataclasses.dataclass(frozen=True)
