@@ -19,7 +19,8 @@ import json
 import numpy as np
 from absl import app, flags
 
-from jaxinfer.speculative.cycle_log import CycleRecord, summarize_log
+from jaxinfer.speculative.autotune import summarize_log
+from jaxinfer.speculative.cycle_log import CycleRecord
 
 _LOG = flags.DEFINE_string("log", None, "the engine's cycle log (JSONL)")
 
