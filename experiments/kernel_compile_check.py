@@ -274,7 +274,7 @@ def capture_triton(fn, args) -> list[TritonKernel]:
     pallas_call_registration.triton.compile = spy_compile
     # jaxinfer refuses backend="pallas" on a CPU unless told the trace is lowered for CUDA only;
     # the kernel-only cases never import it.
-    ops = sys.modules.get("jaxinfer.ops.attention")
+    ops = sys.modules.get("jaxinfer.ops.backend")
     gpu_lowering = ops.lowering_for_gpu() if ops is not None else contextlib.nullcontext()
     try:
         with gpu_lowering:

@@ -31,6 +31,9 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.cache.paged import init_cache
+from jaxinfer.model.params import check_params
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.speedup import expected_tokens_per_cycle
 
 _WINDOW = 16  # step-time samples kept per cell
@@ -138,9 +141,6 @@ class CycleLog:
 def init_speculation(engine, detokenize) -> None:
     """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
     controller, cycle log; all None without speculation."""
-    from jaxinfer.cache.paged import init_cache
-    from jaxinfer.model.params import check_params
-
     spec = engine.spec = engine.config.speculative
     engine.dcache = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
@@ -197,10 +197,6 @@ def warm_up(engine, batch_sizes=(1,), max_tokens: int = 6) -> None:
     """Measures the controller's step-time table before serving: for every γ in 0..max_gamma
     and batch size, a scratch engine (same config, fixed γ, its own pool) decodes greedy dummy
     requests; its decode-step times fill `engine.controller`. Compiles those shapes, too."""
-    import dataclasses
-
-    from jaxinfer.sampling import SamplingParams
-
     spec, ctl = engine.spec, engine.controller
     v = engine.cfg.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
