@@ -83,6 +83,8 @@ CASES = {
     ],
     "pipeline": [
         ([], None),
+        (["--model=target", "--full"], None),
+        (["--eval_tokens=1"], "1 is not"),
         (["--stages=quality,foo"], r"'foo' is not one of quality, quantization"),
     ],
     "generate": [
@@ -93,6 +95,8 @@ CASES = {
         (["--backend=gpu"], "pallas-interpret"),
     ],
     "bench_decode": [([], None), (["--batch_sizes=1,x"], "'x' is not an integer")],
+    "quant_sweep": [([], None), (["--quick"], None), (["--group_sizes=64,4"], ">= 8")],
+    "spec_ngram": [([], None), (["--quick"], None), (["--gammas=0"], ">= 1")],
     "kernel_bench": [([], None), (["--contexts=512,-4"], "-4 is not an integer >= 1")],
     "kernel_compile_check": [([], None), (["--arch=sm_90"], "MAJOR.MINOR")],
     "train": [([], None), (["--kd_weight=1.5"], "<= 1.0"), (["--peak_lr=0"], "> 0")],
