@@ -253,10 +253,11 @@ def _quality_section(results: dict) -> list[str]:
         ]
     lines += ["", f"### Sample completions (target, {_MAX_TOKENS.value} tokens at most)", ""]
     for s in results["samples"]:
-        fence = "```python" if s["kind"] == "raw" else "```text"
+        # Four backticks: a chat answer may hold a ``` code block of its own.
+        fence = "````python" if s["kind"] == "raw" else "````text"
         head = "" if s["kind"] == "raw" else " (through the chat template)"
-        lines += [f"Greedy{head}:", fence, s["prompt"] + s["greedy"], "```"]
-        lines += [f"Sampled (T=0.8, top-p 0.95){head}:", fence, s["prompt"] + s["sampled"], "```"]
+        lines += [f"Greedy{head}:", fence, s["prompt"] + s["greedy"], "````"]
+        lines += [f"Sampled (T=0.8, top-p 0.95){head}:", fence, s["prompt"] + s["sampled"], "````"]
     d = results["decode"]
     lines += [
         "",
