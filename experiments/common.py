@@ -127,3 +127,19 @@ def apply_config(path: str, keep: tuple[str, ...] = ("config", "workdir")) -> di
     for k, v in applied.items():
         flags.FLAGS[k].value = v
     return applied
+
+
+def model_config(name: str):
+    """The ModelConfig of a preset (`ji.preset`), a `ji.models` name or a checkpoint path, read
+    from its config.json or GGUF metadata only: no weights are loaded."""
+    from jaxinfer.config import PRESETS, from_hf_config
+
+    if name in PRESETS:
+        return ji.preset(name)
+    path = resolve_model(name)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            return from_hf_config(json.load(f))
+    from jaxinfer.gguf.loader import config_from_gguf, find_gguf, open_gguf
+
+    return config_from_gguf(open_gguf(find_gguf(path) or path))

@@ -286,6 +286,9 @@ def stage_command(stage: str, out_dir: str, paths: dict, tiny: bool, random_init
             cmd.append("--notransformers")
     elif stage == "speculative":
         cmd.append(f"--model={target}")
+    if stage == "memory" and not tiny and _MODEL.value in ji.models.names():
+        # The model itself, beside the 7-8 B presets; formats whose groups divide its widths.
+        cmd += [f"--models={_MODEL.value},llama3-8b,qwen2.5-7b", "--weight_formats=bf16,w8,w4g64"]
     return cmd
 
 

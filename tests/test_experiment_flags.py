@@ -70,6 +70,7 @@ CASES = {
     "memory_report": [
         ([], None),
         (["--models=gpt-5"], r"'gpt-5' is not one of"),
+        (["--models=target,llama3-8b"], None),
         (["--weight_formats=w9"], "weight format 'w9'"),
         (["--kv_formats=int4"], r"'int4' is not one of"),
         (["--gpu_gib=0"], r"> 0"),

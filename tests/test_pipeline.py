@@ -57,6 +57,8 @@ def test_defaults_are_smollm2_and_quick():
     # SmolLM2 stages: the sweep with group sizes it can take, the n-gram drafter; all --quick.
     assert pre["quantization"][0].endswith("quant_sweep.py")
     assert pre["speculative"][0].endswith("spec_ngram.py") and "--model=T" in pre["speculative"]
+    if "smollm2-135m" in ji.models.names():
+        assert "--models=smollm2-135m,llama3-8b,qwen2.5-7b" in pre["memory"]
     assert tiny["quantization"][0].endswith("quality_report.py")
     assert tiny["speculative"][0].endswith("spec_bench.py") and "--draft=D" in tiny["speculative"]
     for cmds in (pre, tiny):
