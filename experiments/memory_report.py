@@ -22,16 +22,19 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxinfer import memory
-from jaxinfer.config import PRESETS, preset
+from jaxinfer import memory, models
+from jaxinfer.config import PRESETS
 
 try:
-    from experiments import flag_checks
+    from experiments import common, flag_checks
 except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import common
     import flag_checks
 
 _MODELS = flags.DEFINE_list(
-    "models", ["llama2-7b", "llama3-8b", "mistral-7b", "qwen2.5-7b"], "Config presets."
+    "models",
+    ["llama2-7b", "llama3-8b", "mistral-7b", "qwen2.5-7b"],
+    "Config presets, or names of ji.models (e.g. smollm2-135m: its config, no weights loaded).",
 )
 _WEIGHTS = flags.DEFINE_list(
     "weight_formats", ["bf16", "w8", "w4g128", "w3g128"], "Weight formats (see memory.py)."
@@ -47,7 +50,7 @@ _BLOCK_SIZE = flags.DEFINE_integer(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
 flags.mark_flag_as_required("workdir")
-flag_checks.choice_list(_MODELS, sorted(PRESETS))
+flag_checks.choice_list(_MODELS, sorted(PRESETS) + models.names())
 flag_checks.each(_WEIGHTS, memory.parse_weight_format)
 flag_checks.choice_list(_KV, memory.KV_FORMATS)
 flag_checks.number(_GPU_GIB, above=0.0)
@@ -82,7 +85,7 @@ def main(argv):
     print(header)
     print("-" * len(header))
     for name in _MODELS.value:
-        cfg = preset(name)
+        cfg = common.model_config(name)
         for wf in _WEIGHTS.value:
             for kv in _KV.value:
                 r = memory.memory_report(

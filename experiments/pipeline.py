@@ -1,20 +1,28 @@
-r"""The main job: the whole story on the models shipped with the package.
+r"""The main job: the whole story on SmolLM2-135M-Instruct (default) or the tiny trained pair.
 
-    python experiments/pipeline.py --workdir=runs/pipeline
+    python experiments/pipeline.py --workdir=runs/pipeline                 # SmolLM2, quick
+    python experiments/pipeline.py --workdir=runs/tiny --model=target      # the tiny pair (fast)
+    python experiments/pipeline.py --workdir=runs/full --full               # the long settings
 
+--model is a name of `ji.models.names()` ("smollm2-135m", "target") or a checkpoint path.
 Stages, quality before any speed claim:
-  1. quality     — perplexity and top-1 accuracy of the target and the draft on the shipped test
-                   split (a fixed token budget), the unigram baseline, the draft's greedy
-                   agreement with the target; completions of code prompts; decode tokens/s;
-  2. quantization — experiments/quality_report.py: RTN / GPTQ / AWQ / SmoothQuant / KV formats;
+  1. quality     — perplexity and top-1 accuracy on the shipped test split (tokenized with the
+                   model's own tokenizer; a fixed token budget); with the tiny pair also the draft,
+                   the unigram baseline and the draft's greedy agreement; sample completions,
+                   greedy and sampled, raw and (for a model with a chat template) through it;
+                   decode tokens/s;
+  2. quantization — tiny pair: experiments/quality_report.py (RTN / GPTQ / AWQ / SmoothQuant / KV);
+                   others: experiments/quant_sweep.py (group sizes that divide their widths);
   3. memory      — experiments/memory_report.py: weight and KV bytes, sequences that fit a GPU;
   4. serving     — experiments/serve_bench.py: static batching vs the engine under load;
-  5. speculative — experiments/spec_bench.py: acceptance, tokens per cycle, speedups.
-Stages 2-5 are the experiment scripts themselves, run as subprocesses in `--quick` mode (pass
-`--full` for their default settings) with their outputs under `--workdir/<stage>/`; the report
-embeds their tables and plots. Writes into --workdir: config.json (the resolved flags),
-results.json, report.md and the PNGs. Without shipped models (a checkout before they were
-trained) it runs on randomly initialised models and says so in its output.
+  5. speculative — tiny pair: experiments/spec_bench.py (model and n-gram drafters); others:
+                   experiments/spec_ngram.py (the n-gram drafter: no learned drafter exists yet).
+Stages 2-5 are the experiment scripts themselves, run as subprocesses with `--quick` (the
+default; `--full` gives them their default settings) with their outputs under
+`--workdir/<stage>/`; the report embeds their tables and plots and each stage's wall time.
+Writes into --workdir: config.json (the resolved flags), results.json, report.md and the PNGs.
+With --model=target and no shipped models (a checkout before they were trained) it runs on
+randomly initialised models and says so in its output.
 """
 
 from __future__ import annotations
@@ -36,31 +44,65 @@ from jaxinfer import data
 from jaxinfer import eval as ji_eval
 
 try:
-    from experiments import flag_checks
+    from experiments import common, flag_checks
 except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
+    import common
     import flag_checks
 
+# Predicted-token budgets of --quick (+1: windows share a boundary token): 32 windows of 256 for
+# the tiny pair; 16 for a 135 M model, whose dense forward is ~35x costlier a token on a CPU.
+QUICK_EVAL_TOKENS = {"tiny": 32 * 256 + 1, "pretrained": 16 * 256 + 1}
+
 _WORKDIR = flags.DEFINE_string("workdir", "runs/pipeline", "Output directory.")
-_MODEL = flags.DEFINE_string("model", None, "Target HF dir; default: the shipped target.")
-_DRAFT = flags.DEFINE_string("draft", None, "Draft HF dir; default: the shipped draft.")
+_MODEL = flags.DEFINE_string(
+    "model",
+    "smollm2-135m",
+    "Target: a name of ji.models.names() or a checkpoint path (HF dir or .gguf); 'target' for "
+    "the tiny trained pair (fast runs).",
+)
+_DRAFT = flags.DEFINE_string(
+    "draft",
+    None,
+    "Draft: a model name or path; default 'draft' with --model=target, none otherwise (the "
+    "speculative stage then uses the n-gram drafter).",
+)
+_QUICK = flags.DEFINE_bool(
+    "quick", True, "Quick settings in every stage: THE DEFAULT. --full for the long settings."
+)
+_FULL = flags.DEFINE_bool(
+    "full", False, "The long settings: full eval budget, stages 2-5 with their defaults."
+)
 _EVAL_TOKENS = flags.DEFINE_integer(
-    "eval_tokens", ji_eval.EVAL_TOKENS, "Test-split token budget for perplexity.", lower_bound=1
+    "eval_tokens",
+    None,
+    f"Test-split token budget for perplexity; default quick: {QUICK_EVAL_TOKENS['tiny']} (tiny "
+    f"pair) / {QUICK_EVAL_TOKENS['pretrained']} (others), --full: {ji_eval.EVAL_TOKENS}.",
+    lower_bound=2,
 )
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "Tokens per sample completion.", lower_bound=1)
 _STAGES = flags.DEFINE_list(
     "stages", ["quality", "quantization", "memory", "serving", "speculative"], "Stages to run."
 )
-_FULL = flags.DEFINE_bool("full", False, "Run stages 2-5 with their full default settings.")
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
-# stage -> (script, extra flags, markdown file it writes, title)
-SCRIPT_STAGES = {
-    "quantization": ("quality_report.py", [], "quality.md", "Quantization quality"),
-    "memory": ("memory_report.py", [], "memory.md", "Memory"),
-    "serving": ("serve_bench.py", [], "serve_bench.md", "Serving"),
-    "speculative": ("spec_bench.py", [], "table.md", "Speculative decoding"),
+TITLES = {
+    "quantization": "Quantization quality",
+    "memory": "Memory",
+    "serving": "Serving",
+    "speculative": "Speculative decoding",
 }
-flag_checks.choice_list(_STAGES, ("quality", *SCRIPT_STAGES))
+# (stage, tiny pair?) -> (script, markdown file it writes)
+STAGE_SCRIPTS = {
+    ("quantization", True): ("quality_report.py", "quality.md"),
+    ("quantization", False): ("quant_sweep.py", "quant_sweep.md"),
+    ("memory", True): ("memory_report.py", "memory.md"),
+    ("memory", False): ("memory_report.py", "memory.md"),
+    ("serving", True): ("serve_bench.py", "serve_bench.md"),
+    ("serving", False): ("serve_bench.py", "serve_bench.md"),
+    ("speculative", True): ("spec_bench.py", "table.md"),
+    ("speculative", False): ("spec_ngram.py", "spec_ngram.md"),
+}
+flag_checks.choice_list(_STAGES, ("quality", *TITLES))
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt cut after "\n" would end on a token boundary the model never saw in training.
@@ -71,17 +113,32 @@ PROMPTS = [
     "    for i in range(len(items)):",
     "    def __repr__(self):\n        return",
 ]
+# User turns for a model with a chat template (rendered with ji.apply_chat_template).
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France?",
+    "Explain in two sentences what a KV cache is in LLM inference.",
+]
+
+
+def _quick() -> bool:
+    return _QUICK.value and not _FULL.value
+
+
+def _is_tiny(tok) -> bool:
+    """True for the tiny pair's tokenizer (the shipped corpus tokenizer, with its specials)."""
+    return tok.token_to_id(data.BOS_TOKEN) is not None
 
 
 def _load_models():
-    """(target, draft, tokenizer, note): shipped models by default, random tiny ones if absent."""
-    target_dir = _MODEL.value or ("target" in ji.models.names() and ji.models.path("target"))
-    draft_dir = _DRAFT.value or ("draft" in ji.models.names() and ji.models.path("draft"))
-    if target_dir:
-        target = ji.load_checkpoint(target_dir)
-        draft = ji.load_checkpoint(draft_dir) if draft_dir else None
-        tok = ji.load_tokenizer(target_dir)
-        return target, draft, tok, {"target": target_dir, "draft": draft_dir or None}
+    """(target, draft, tokenizer, paths, random_init): --model and its draft (or random ones)."""
+    draft_name = _DRAFT.value or ("draft" if _MODEL.value == "target" else None)
+    if _MODEL.value != "target" or "target" in ji.models.names():
+        path = common.resolve_model(_MODEL.value)
+        target = ji.load_checkpoint(path)
+        dpath = common.resolve_model(draft_name) if draft_name else None
+        draft = ji.load_checkpoint(dpath) if dpath else None
+        return target, draft, ji.load_tokenizer(path), {"target": path, "draft": dpath}, False
     logging.warning("no shipped models: running on RANDOMLY INITIALISED tiny models")
     tok = data.load_tokenizer()
     cfg = ji.preset("bench-5m").replace(
@@ -91,17 +148,27 @@ def _load_models():
     target = (cfg, ji.init_params(cfg, jax.random.key(0)))
     draft = (dcfg, ji.init_params(dcfg, jax.random.key(1)))
     note = "RANDOMLY INITIALISED bench-5m (no shipped models found): figures are meaningless"
-    return target, draft, tok, {"target": note, "draft": note}
+    return target, draft, tok, {"target": note, "draft": note}, True
+
+
+def eval_budget(tiny: bool) -> int:
+    """The test-split token budget: --eval_tokens, else by --quick / --full and model size."""
+    if _EVAL_TOKENS.value:
+        return _EVAL_TOKENS.value
+    return QUICK_EVAL_TOKENS["tiny" if tiny else "pretrained"] if _quick() else ji_eval.EVAL_TOKENS
 
 
 def stage_quality(target, draft, tok) -> dict:
-    windows = ji_eval.standard_windows(tok, max_tokens=_EVAL_TOKENS.value)
-    train = data.token_stream("train", tok)
+    tiny = _is_tiny(tok)
+    windows = common.test_windows(tok, target[0], eval_budget(tiny))  # [N, 257]
     out = {"eval_windows": list(windows.shape), "eval_tokens": int(windows[:, 1:].size)}
-    t = ji_eval.lm_stats(*target, windows, progress=True)
+    bs = ji_eval.EVAL_BATCH_SIZE if tiny else 4  # [4, 256, 49152] float32 logits: 200 MB
+    t = ji_eval.lm_stats(*target, windows, batch_size=bs, progress=True)
     out["target"] = {"ppl": t.perplexity, "nll": t.nll, "top1": t.accuracy}
-    uni = ji_eval.unigram_stats(train, windows, target[0].vocab_size)
-    out["unigram"] = {"ppl": uni.perplexity, "nll": uni.nll, "top1": uni.accuracy}
+    if tiny:  # the train split tokenized by a 49 k-vocabulary tokenizer costs minutes: tiny only
+        train = data.token_stream("train", tok)
+        uni = ji_eval.unigram_stats(train, windows, target[0].vocab_size)
+        out["unigram"] = {"ppl": uni.perplexity, "nll": uni.nll, "top1": uni.accuracy}
     if draft is not None:
         d = ji_eval.lm_stats(*draft, windows, progress=True)
         out["draft"] = {"ppl": d.perplexity, "nll": d.nll, "top1": d.accuracy}
@@ -111,20 +178,33 @@ def stage_quality(target, draft, tok) -> dict:
     return out
 
 
+def sample_prompts(cfg, tok) -> list[tuple[str, str, list[int]]]:
+    """(kind, shown text, ids): the raw code prompts, then the chat prompts if a template exists."""
+    tiny = _is_tiny(tok)
+    bos = [cfg.bos_token_id or 0] if tiny else []  # SmolLM2's bos is <|im_start|>: not for raw text
+    out = [("raw", p, bos + tok.encode(p, add_special_tokens=False).ids) for p in PROMPTS]
+    if getattr(tok, "chat_template", None):
+        for q in CHAT_PROMPTS:
+            msgs = [{"role": "user", "content": q}]
+            text = ji.apply_chat_template(tok, msgs, add_generation_prompt=True)
+            out.append(("chat", text, tok.encode(text, add_special_tokens=False).ids))
+    return out
+
+
 def stage_samples(target, tok) -> list[dict]:
     cfg, params = target
-    prompts = [[cfg.bos_token_id or 0] + tok.encode(p).ids for p in PROMPTS]
-    greedy = ji.generate(
-        cfg, params, prompts, ji.SamplingParams(temperature=0, max_tokens=_MAX_TOKENS.value)
-    )
+    prompts = sample_prompts(cfg, tok)
+    ids = [p[2] for p in prompts]
+    n = _MAX_TOKENS.value
+    greedy = ji.generate(cfg, params, ids, ji.SamplingParams(temperature=0, max_tokens=n))
     sampled = ji.generate(
-        cfg, params, prompts,
-        ji.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=_MAX_TOKENS.value, seed=1),
-    )  # fmt: skip
+        cfg, params, ids, ji.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=1)
+    )
     return [
-        {"prompt": p, "greedy": tok.decode(g.token_ids), "sampled": tok.decode(s.token_ids)}
-        for p, g, s in zip(PROMPTS, greedy, sampled)
-    ]
+        {"kind": k, "prompt": text, "greedy": tok.decode(g.token_ids),
+         "sampled": tok.decode(s.token_ids)}
+        for (k, text, _), g, s in zip(prompts, greedy, sampled)
+    ]  # fmt: skip
 
 
 def stage_decode(target) -> dict:
@@ -156,7 +236,8 @@ def _quality_section(results: dict) -> list[str]:
     lines = ["", "## 1. Quality (test split)", ""]
     lines += [
         f"{q['eval_tokens']} predicted tokens ({q['eval_windows'][0]} windows of "
-        f"{q['eval_windows'][1] - 1}).",
+        f"{q['eval_windows'][1] - 1}), tokenized with the model's own tokenizer "
+        f"({results['stage_seconds']['quality']:.0f} s).",
         "",
         "| model | perplexity | top-1 accuracy |",
         "|---|---|---|",
@@ -170,37 +251,55 @@ def _quality_section(results: dict) -> list[str]:
             f"Draft greedy agreement with the target: {100 * q['draft_agreement']:.1f}% "
             f"(KL(target || draft) = {q['draft_kl']:.3f} nats/token).",
         ]
-    lines += ["", "### Sample completions (target)", ""]
+    lines += ["", f"### Sample completions (target, {_MAX_TOKENS.value} tokens at most)", ""]
     for s in results["samples"]:
-        lines += ["Greedy:", "```python", s["prompt"] + s["greedy"], "```"]
-        lines += ["Sampled (T=0.8, top-p 0.95):", "```python", s["prompt"] + s["sampled"], "```"]
+        # Four backticks: a chat answer may hold a ``` code block of its own.
+        fence = "````python" if s["kind"] == "raw" else "````text"
+        head = "" if s["kind"] == "raw" else " (through the chat template)"
+        lines += [f"Greedy{head}:", fence, s["prompt"] + s["greedy"], "````"]
+        lines += [f"Sampled (T=0.8, top-p 0.95){head}:", fence, s["prompt"] + s["sampled"], "````"]
     d = results["decode"]
     lines += [
         "",
         "### Decode throughput (`ji.generate`, greedy, 32-token prompts, 64 new tokens)",
         "",
-        f"batch 1: {d['batch1_tok_s']:.0f} tokens/s; batch 8: {d['batch8_tok_s']:.0f} tokens/s.",
+        f"batch 1: {d['batch1_tok_s']:.1f} tokens/s; batch 8: {d['batch8_tok_s']:.1f} tokens/s "
+        "(one timed run each, after a compiling run; bench_decode.py has the careful figures).",
     ]
     return lines
 
 
-def run_script_stage(stage: str, workdir: str, models: dict) -> dict:
-    """Runs one experiment script as a subprocess; returns its markdown, plots and status."""
-    script, extra, md_name, title = SCRIPT_STAGES[stage]
-    out_dir = os.path.join(workdir, stage)
-    os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, os.path.join(EXPERIMENTS, script), f"--workdir={out_dir}", *extra]
-    if stage != "memory" and not _FULL.value:
+def stage_command(stage: str, out_dir: str, paths: dict, tiny: bool, random_init: bool) -> list:
+    """The subprocess command line of a script stage."""
+    script = STAGE_SCRIPTS[(stage, tiny)][0]
+    cmd = [sys.executable, os.path.join(EXPERIMENTS, script), f"--workdir={out_dir}"]
+    if stage != "memory" and _quick():
         cmd.append("--quick")
-    if stage in ("quantization", "serving") and _MODEL.value:
-        cmd.append(f"--model={_MODEL.value}")
-    if stage == "speculative":
-        cmd += [f"--{k}={v}" for k, v in (("target", _MODEL.value), ("draft", _DRAFT.value)) if v]
+    target = None if random_init else paths["target"]
+    if stage in ("quantization", "serving") and target:
+        cmd.append(f"--model={target}")
+    if stage == "speculative" and tiny:
+        pair = (("target", target), ("draft", None if random_init else paths["draft"]))
+        cmd += [f"--{k}={v}" for k, v in pair if v]
         # The transformers baselines need the test extras (torch, transformers).
         if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
             cmd.append("--notransformers")
-    print(f"[{stage}] " + " ".join(cmd[1:]))
-    t0 = time.perf_counter()
+    elif stage == "speculative":
+        cmd.append(f"--model={target}")
+    if stage == "memory" and not tiny and _MODEL.value in ji.models.names():
+        # The model itself, beside the 7-8 B presets; formats whose groups divide its widths.
+        cmd += [f"--models={_MODEL.value},llama3-8b,qwen2.5-7b", "--weight_formats=bf16,w8,w4g64"]
+    return cmd
+
+
+def run_script_stage(stage: str, workdir: str, paths: dict, tiny: bool, random_init: bool) -> dict:
+    """Runs one experiment script as a subprocess; returns its markdown, plots and status."""
+    md_name = STAGE_SCRIPTS[(stage, tiny)][1]
+    out_dir = os.path.join(workdir, stage)
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = stage_command(stage, out_dir, paths, tiny, random_init)
+    print(f"[{stage}] " + " ".join(cmd[1:]), flush=True)
+    load0, t0 = common.load_average(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
@@ -210,20 +309,30 @@ def run_script_stage(stage: str, workdir: str, models: dict) -> dict:
     if proc.returncode != 0 or md is None:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         print(f"[{stage}] FAILED (exit {proc.returncode}); see {out_dir}/log.txt\n{tail}")
+    print(f"[{stage}] {seconds:.0f} s", flush=True)
     pngs = sorted(os.path.join(stage, f) for f in os.listdir(out_dir) if f.endswith(".png"))
-    shown = ["python", f"experiments/{script}", *cmd[2:]]
+    shown = ["python", f"experiments/{os.path.basename(cmd[1])}", *cmd[2:]]
     command = " ".join(shown).replace(out_dir, f"<workdir>/{stage}")
-    return {"title": title, "ok": proc.returncode == 0 and md is not None, "seconds": seconds,
+    return {"title": TITLES[stage], "ok": proc.returncode == 0 and md is not None,
+            "seconds": seconds, "load_average": [load0, common.load_average()],
             "markdown": md, "pngs": pngs, "command": command}  # fmt: skip
 
 
 def write_report(workdir: str, models: dict, results: dict, pngs: list[str]) -> None:
     lines = ["# jaxinfer pipeline report", ""]
-    lines += [f"- {k}: `{v}`" for k, v in models.items()]
+    lines += [f"- --model={_MODEL.value} (`{os.path.basename(str(models['target']))}`)"]
+    if models.get("draft"):
+        lines += [f"- draft: `{os.path.basename(str(models['draft']))}`"]
     lines += [f"- machine: {results['machine']}"]
+    lines += [f"- settings: {'--full' if not _quick() else '--quick (the default)'}"]
+    lines += [f"- total: {results['seconds']:.0f} s; per stage (s, load average before/after):"]
+    lines += [
+        f"  - {k}: {v:.0f} s ({results['stage_load'][k]})"
+        for k, v in results["stage_seconds"].items()
+    ]
     if "quality" in results:
         lines += _quality_section(results)
-    for n, stage in enumerate(SCRIPT_STAGES, start=2):
+    for n, stage in enumerate(TITLES, start=2):
         if stage not in results:
             continue
         r = results[stage]
@@ -247,24 +356,32 @@ def main(argv):
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(flags.FLAGS.flag_values_dict(), f, indent=2, default=str)
-    target, draft, tok, models = _load_models()
-    print(f"models: {models}")
-    results = {"models": models, "machine": f"{os.cpu_count()} cores, {jax.default_backend()}"}
+    target, draft, tok, paths, random_init = _load_models()
+    tiny = _is_tiny(tok)
+    print(f"models: {paths}")
+    results = {"models": paths, "machine": f"{os.cpu_count()} cores, {jax.default_backend()}"}
+    results["stage_seconds"], results["stage_load"] = {}, {}
     t0 = time.perf_counter()
     if "quality" in _STAGES.value:
+        load0, t1 = common.load_average(), time.perf_counter()
         results["quality"] = stage_quality(target, draft, tok)
         print(json.dumps(results["quality"], indent=2))
         results["samples"] = stage_samples(target, tok)
         print(results["samples"][0]["prompt"] + results["samples"][0]["greedy"])
         results["decode"] = stage_decode(target)
         print(results["decode"])
-    for stage in SCRIPT_STAGES:
+        results["stage_seconds"]["quality"] = time.perf_counter() - t1
+        results["stage_load"]["quality"] = [load0, common.load_average()]
+    del target, draft  # the script stages load their own copies
+    for stage in TITLES:
         if stage in _STAGES.value:
-            results[stage] = run_script_stage(stage, workdir, models)
+            results[stage] = run_script_stage(stage, workdir, paths, tiny, random_init)
+            results["stage_seconds"][stage] = results[stage]["seconds"]
+            results["stage_load"][stage] = results[stage]["load_average"]
     results["seconds"] = time.perf_counter() - t0
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
-    write_report(workdir, models, results, _loss_curves(models, workdir))
+    write_report(workdir, paths, results, _loss_curves(paths, workdir))
     print(f"wrote {os.path.join(workdir, 'report.md')}")
 
 

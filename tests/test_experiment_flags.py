@@ -70,6 +70,7 @@ CASES = {
     "memory_report": [
         ([], None),
         (["--models=gpt-5"], r"'gpt-5' is not one of"),
+        (["--models=target,llama3-8b"], None),
         (["--weight_formats=w9"], "weight format 'w9'"),
         (["--kv_formats=int4"], r"'int4' is not one of"),
         (["--gpu_gib=0"], r"> 0"),
@@ -83,6 +84,8 @@ CASES = {
     ],
     "pipeline": [
         ([], None),
+        (["--model=target", "--full"], None),
+        (["--eval_tokens=1"], "1 is not"),
         (["--stages=quality,foo"], r"'foo' is not one of quality, quantization"),
     ],
     "generate": [
@@ -93,6 +96,8 @@ CASES = {
         (["--backend=gpu"], "pallas-interpret"),
     ],
     "bench_decode": [([], None), (["--batch_sizes=1,x"], "'x' is not an integer")],
+    "quant_sweep": [([], None), (["--quick"], None), (["--group_sizes=64,4"], ">= 8")],
+    "spec_ngram": [([], None), (["--quick"], None), (["--gammas=0"], ">= 1")],
     "kernel_bench": [([], None), (["--contexts=512,-4"], "-4 is not an integer >= 1")],
     "kernel_compile_check": [([], None), (["--arch=sm_90"], "MAJOR.MINOR")],
     "train": [([], None), (["--kd_weight=1.5"], "<= 1.0"), (["--peak_lr=0"], "> 0")],
