@@ -8,7 +8,7 @@ A step with speculation (`EngineConfig.speculative`):
    request's history (`drafters.ngram_propose`); the model drafter runs one ragged forward that
    mirrors the step's prefill chunks and plain decodes into its own cache and, for each drafting
    request, feeds its last two committed tokens, then γmax − 1 one-token steps
-   (`drafters.decode_batch`, tokens chosen by the loop's `_make_pick`). Only the `[B, γ]` draft
+   (`drafters.decode_batch`, tokens chosen by the loop's `make_pick`). Only the `[B, γ]` draft
    ids come back to the host.
 3. **verify** (`_verify`, one jitted call): the target's one ragged forward over prefill chunks,
    plain decodes and each drafting request's γ + 1 positions (`logits="all"`), then acceptance on
@@ -49,7 +49,7 @@ from jaxinfer.speculative.acceptance import (
     _rejection_sample_with_noise,
 )
 from jaxinfer.speculative.drafters import decode_batch, ngram_propose
-from jaxinfer.speculative.loop import _ACCEPT_TAG, _cycle_keys, _make_pick
+from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 
 @functools.partial(jax.jit, static_argnames=("gamma", "max_n"))
@@ -79,7 +79,7 @@ def _draft_model(
     acceptance: str,
 ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
     """γ draft tokens per drafting request and their q: `([Bd, γ], [Bd, γ, V]), dcache`."""
-    pick = _make_pick(sb, cur, acceptance)
+    pick = make_pick(sb, cur, acceptance)
     logits, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)  # [N, V]
     tok, q = pick(logits[first_rows], 0)  # d_1 at position n + 1
 
@@ -135,7 +135,7 @@ def _verify(
         def rejection():
             p = probs(x, flat_sb).reshape(r, g, -1)  # [R, G, V]
             qr = jnp.where(live[..., None], q[jnp.maximum(q_row, 0)], 0.0)  # [R, G-1, V]
-            keys = _cycle_keys(sb, pos[:, 0] - 1, _ACCEPT_TAG)  # per request and cycle start
+            keys = cycle_keys(sb, pos[:, 0] - 1, ACCEPT_TAG)  # per request and cycle start
             keys = jax.vmap(jax.random.fold_in)(keys, index)  # forks draw their own
             u, gumbel = _noise(keys, g - 1, p.shape[-1])
             # Past γ: always reject with q = 0, so position γ samples from p (the bonus).

@@ -14,7 +14,7 @@ One cycle, for every sequence of the batch at once:
 
 Randomness is per request and per position, never per batch: the draft and the rejection test of
 the cycle that starts at position `cur` use `fold_in(fold_in(stream(seed), cur), tag)` (a stream
-apart from the plain sampling keys, see `_SPEC_STREAM`); the coupled mode uses
+apart from the plain sampling keys, see `noise.SPEC_STREAM`); the coupled mode uses
 `gumbel_noise(seed, position)`, the same noise as plain `ji.generate`, so its output is
 token-identical to it. Temperature, top-k, top-p and min-p shape p and q identically
 (`process_logits`).
@@ -50,7 +50,6 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
-from jaxinfer.ops.argmax import argmax
 from jaxinfer.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -61,14 +60,9 @@ from jaxinfer.sampling import (
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
 from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, slots_of
+from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 ACCEPTANCE_MODES = ("rejection", "coupled")
-# Rejection-mode noise lives in its own stream, fold_in(key(seed), _SPEC_STREAM): a datum no
-# position reaches (positions are int32), so it never shares threefry counters with the plain
-# sampling key fold_in(key(seed), position) that drew the prefill's token.
-_SPEC_STREAM = 0xFFFFFFFF
-_ACCEPT_TAG = 1  # fold_in tags under the stream's fold_in(·, cycle start): acceptance noise
-_DRAFT_TAG = 2  # ... and the draft's sampling noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,49 +176,6 @@ def _prefill(
     )
 
 
-def _cycle_keys(sb: SamplingBatch, cur: jax.Array, tag: int) -> jax.Array:
-    """`[B]` typed keys, unique per request, cycle (its start position `cur`) and use `tag`."""
-
-    def one(seed, c):
-        stream = jax.random.fold_in(jax.random.key(seed), _SPEC_STREAM)
-        return jax.random.fold_in(jax.random.fold_in(stream, c), tag)
-
-    return jax.vmap(one)(sb.seed, cur)
-
-
-def _make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
-    """The draft's token choice at draft step j (position cur + 1 + j), and its q."""
-    greedy = sb.temperature <= 0  # [B]
-    draft_keys = _cycle_keys(sb, cur, _DRAFT_TAG)  # [B]
-
-    def pick(logits, j):  # logits [B, V] -> (tokens [B], q [B, V])
-        v = logits.shape[-1]
-
-        def greedy_only():
-            tok = argmax(logits)
-            return tok, jax.nn.one_hot(tok, v, dtype=jnp.float32)
-
-        def mixed():
-            x = process_logits(logits, sb)  # [B, V]
-            if acceptance == "coupled":  # the target's own noise at that position
-                g = gumbel_noise(sb.seed, cur + 1 + j, v)
-            else:
-                g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, j), (v,)))(
-                    draft_keys
-                )  # [B, V]
-            top = argmax(x)
-            tok = jnp.where(greedy, top, argmax(x + g))
-            q = jnp.where(
-                greedy[:, None], jax.nn.one_hot(top, v, dtype=jnp.float32), jax.nn.softmax(x)
-            )
-            return tok, q
-
-        # An all-greedy batch needs neither noise nor logits processing.
-        return jax.lax.cond(jnp.all(greedy), greedy_only, mixed)
-
-    return pick
-
-
 def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
     """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
     del tparams  # same signature as _verify, so both drivers call the phases alike
@@ -232,7 +183,7 @@ def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Pla
         tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)
         q = jax.nn.one_hot(tokens, plan.cfg.vocab_size, dtype=jnp.float32)  # [B, γ, V]
         return state, tokens, q
-    pick = _make_pick(inputs.sb, state.cur, plan.acceptance)
+    pick = make_pick(inputs.sb, state.cur, plan.acceptance)
     dcache, tokens, q = draft_with_model(
         dparams, plan.dcfg, state.dcache, state.hist, state.cur, state.dlen, inputs.tables,
         pick, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
@@ -256,7 +207,7 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
             s_tok, s_n = coupled_accept(x, draft_tokens, g)
         else:
             p = probs(flat, rows).reshape(b, g1, v)
-            s_tok, s_n = rejection_sample(_cycle_keys(sb, cur, _ACCEPT_TAG), p, q, draft_tokens)
+            s_tok, s_n = rejection_sample(cycle_keys(sb, cur, ACCEPT_TAG), p, q, draft_tokens)
         return jnp.where(greedy[:, None], g_tok, s_tok), jnp.where(greedy, g_n, s_n)
 
     return jax.lax.cond(jnp.all(greedy), lambda: (g_tok, g_n), mixed)
