@@ -35,16 +35,13 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
+from experiments import common, flag_checks
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import KV_FORMATS
 from jaxinfer.model.decoder import forward
 
-try:
-    from experiments import flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import flag_checks
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
+_CONFIG = common.config_flag()
 _MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF dir.")
 _BACKENDS = flags.DEFINE_list("backends", ["xla", "reference"], "Backends; the first is timed "
                               "against the second.")  # fmt: skip
@@ -119,6 +116,7 @@ def _time_row(cfg, params, chunks, t, b, m, num_blocks, systems) -> dict:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     formats = _KV_FORMATS.value
     systems = {
         be if len(formats) == 1 else f"{be}/{fmt}": (be, fmt)
@@ -127,7 +125,9 @@ def main(argv):
     }  # name -> (backend, kv_format); the first is the baseline of the ratio
     backends = list(systems)
     model = _MODEL.value
-    path = model if os.path.isdir(model) else ji.models.path(model)
+    path = common.resolve_model(model)
+    if _WORKDIR.value:
+        common.save_config(_WORKDIR.value, resolved={"model": path, "systems": systems})
     cfg, params = ji.load_checkpoint(path)
     b, m, s = _NUM_SEQS.value, _MAX_BLOCKS.value, _BLOCK_SIZE.value
     rows = []
@@ -149,7 +149,6 @@ def main(argv):
         ratios = "".join(f" {v:.2f}x |" for v in r["ratio"].values())
         print(f"| {r['batch']} | {r['T']} | {r['cache_blocks']} | {cells} |{ratios}")
     if _WORKDIR.value:
-        os.makedirs(_WORKDIR.value, exist_ok=True)
         result = {
             "model": model,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
@@ -171,8 +170,7 @@ def main(argv):
             },  # fmt: skip
             "rows": rows,
         }
-        with open(os.path.join(_WORKDIR.value, "results.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        common.write_results(_WORKDIR.value, result)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,8 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
-from jaxinfer import quant
-
-try:
-    from experiments import common, flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import common
-    import flag_checks
+from experiments import common, flag_checks
+from jaxinfer import memory, quant
 
 _MODEL = flags.DEFINE_string("model", None, "A ji.models name or path; default: random bench-5m.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
@@ -99,11 +94,6 @@ def gemv_bandwidth(mib: int, repeats: int = 9) -> dict:
     ts = common.times(lambda: f(x, w).block_until_ready(), repeats)
     return {"shape": [k, n], "ms": 1000 * statistics.median(ts),
             "gb_s": w.nbytes / statistics.median(ts) / 1e9}  # fmt: skip
-
-
-def weight_bytes(params) -> int:
-    """Bytes of every parameter leaf (quantized: packed codes, scales, zeros): read once a step."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
 # ------------------------------------------------------------------------------------ systems
@@ -246,7 +236,7 @@ def bench_formats(path: str, cfg, params, n_new: int, repeats: int) -> list[dict
         # Fastest of each: a load spike on a shared machine only ever adds time.
         step = (min(full) - min(pre)) / (n_new - 1)
         steps = [(f - p) / (n_new - 1) for f, p in zip(full, pre)]
-        nb = weight_bytes(fparams)
+        nb = memory.tree_bytes(fparams)
         row = {"format": fmt, "weight_bytes": nb, "step_ms": 1000 * step,
                "step_ms_min_max": [1000 * min(steps), 1000 * max(steps)],
                "weight_gb_s": nb / step / 1e9}  # fmt: skip
@@ -271,7 +261,7 @@ def main(argv):
     cfg, params = ji.load_checkpoint(path)  # float32 for a GGUF
     refs = {"copy": copy_bandwidth(_GEMV_MIB.value), "gemv": gemv_bandwidth(_GEMV_MIB.value)}
     print(json.dumps(refs), flush=True)
-    f32_bytes = weight_bytes(params)
+    f32_bytes = memory.tree_bytes(params)  # every leaf: read once a decode step
     batches = [int(b) for b in _BATCH_SIZES.value]
     n_new = _NEW_TOKENS.value
     systems, notes = [], []

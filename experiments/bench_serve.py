@@ -49,12 +49,10 @@ import httpx
 import numpy as np
 from absl import app, flags, logging
 
-if __package__ in (None, ""):  # `python experiments/bench_serve.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxinfer as ji  # noqa: E402
-from experiments import serve_bench as sb  # noqa: E402  (its flags are ours too)
-from jaxinfer.engine import SLO, MetricsCollector  # noqa: E402
+import jaxinfer as ji
+from experiments import common
+from experiments import serve_bench as sb  # its flags are ours too (and --config)
+from jaxinfer.engine import SLO, MetricsCollector
 
 _BASE_URL = flags.DEFINE_string("base_url", None, "Attach to this server instead of starting one.")
 _SERVED_MODEL = flags.DEFINE_string(
@@ -410,18 +408,17 @@ def plot(results: dict, workdir: str) -> list[str]:
 def main(argv):
     del argv
     std_logging.getLogger("httpx").setLevel(std_logging.WARNING)  # a line per request
+    common.apply_config(sb._CONFIG.value)
     workdir = sb._WORKDIR.value
     if workdir == "runs/serve_bench":  # serve_bench's default
         workdir = "runs/bench_serve"
-    os.makedirs(workdir, exist_ok=True)
     attach = _BASE_URL.value is not None
     model_path = sb._MODEL.value or ji.models.path("target")
     bc = sb.resolve_config(model_path)
     in_process = _IN_PROCESS.value if _IN_PROCESS.value is not None else not attach
     if _SOAK.value and bc.num_requests == (12 if sb._QUICK.value else 40):
         bc = dataclasses.replace(bc, num_requests=40)  # capacity burst size
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump({**dataclasses.asdict(bc), "flags": sys.argv[1:]}, f, indent=2)
+    common.save_config(workdir, resolved=dataclasses.asdict(bc))
     for name in bc.workloads:  # unknown names fail before the server starts
         sb.make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
     cfg_params = ji.load_checkpoint(model_path) if (in_process or not attach) else None
@@ -454,8 +451,7 @@ def main(argv):
         exit_code = server.stop() if server else None
     out.update(config=dataclasses.asdict(bc), wall_s=time.perf_counter() - t0)
     out["server_exit_code"] = exit_code
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(sb._json_safe(out), f, indent=1)
+    common.write_results(workdir, sb._json_safe(out))
     print(f"wrote {workdir}/results.json (server exit code {exit_code})")
     if _SOAK.value and not out["soak"]["ok"]:
         sys.exit(1)

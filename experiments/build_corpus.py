@@ -12,20 +12,15 @@ The same interpreter and flags give byte-identical files.
 
 from __future__ import annotations
 
-import json
 import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from absl import app, flags
 
-try:
-    from jaxinfer import data
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jaxinfer import data
+from experiments import common
+from jaxinfer import data
 
 _VOCAB_SIZE = flags.DEFINE_integer(
     "vocab_size", data.DEFAULT_VOCAB_SIZE, "Tokenizer vocabulary, specials included.", lower_bound=1
@@ -45,6 +40,7 @@ _ASSETS_DIR = flags.DEFINE_string(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Optional: also write config.json and results.json here."
 )
+_CONFIG = common.config_flag()
 
 _README = """\
 # Shipped corpus splits
@@ -88,6 +84,9 @@ def _tokenizer_docs(train_files: list[tuple[str, str]], max_bytes: int) -> list[
 
 def main(argv: list[str]) -> None:
     del argv
+    common.apply_config(_CONFIG.value)
+    if _WORKDIR.value:
+        common.save_config(_WORKDIR.value)
     start = time.perf_counter()
     assets = Path(_ASSETS_DIR.value)
     data_dir = assets / "data"
@@ -160,11 +159,7 @@ def main(argv: list[str]) -> None:
     (data_dir / "README.md").write_text(readme, encoding="utf-8")
 
     if _WORKDIR.value:
-        workdir = Path(_WORKDIR.value)
-        workdir.mkdir(parents=True, exist_ok=True)
-        config = {f.name: f.value for f in flags.FLAGS.get_flags_for_module(sys.modules[__name__])}
-        (workdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        common.write_results(_WORKDIR.value, results)
     print(f"done in {time.perf_counter() - start:.1f}s")
 
 

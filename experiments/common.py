@@ -1,11 +1,25 @@
 """Helpers shared by the experiment scripts: models by name, test text for any tokenizer, JSON,
-timing and rerunning a saved configuration.
+timing, achieved bandwidth and the run directory (config.json, results.json, reruns).
 
     from experiments import common
-    cfg, params, path = common.load_model("smollm2-135m")  # a ji.models name or a path
-    windows = common.test_windows(tok, cfg, max_tokens=8192)  # [N, 257] int32
-    common.save_config(workdir)  # workdir/config.json: this script's flags
-    common.apply_config(saved)  # --config=<workdir>/config.json: rerun a saved run
+    _CONFIG = common.config_flag()  # --config=<workdir>/config.json: rerun a saved run
+    ...
+    def main(argv):
+        common.apply_config(_CONFIG.value)  # first: the saved flags, validated, before any write
+        common.save_config(workdir)  # removes a stale results.json, writes config.json
+        cfg, params, path = common.load_model("smollm2-135m")  # a ji.models name or a path
+        windows = common.test_windows(tok, cfg, max_tokens=8192)  # [N, 257] int32
+        ...
+        common.write_results(workdir, results)  # atomically: results.json of this config.json
+
+A run directory holds the config.json and the results.json of one run, never of two: the
+config is written (and the old results removed) before the run, the results atomically after
+it, so a run that fails leaves its config.json and no results.json. config.json holds
+{"script", "flags"} (the flags of the script's modules in experiments/) and, where the script
+resolves them into a typed config, "resolved". A rerun, `--config=<workdir>/config.json`, sets
+the saved flags; a flag also given on the command line keeps the command line's value (so a
+rerun can change one setting, say a model path on another machine), and the new config.json
+records what ran. --workdir and --config themselves are never taken from a saved config.
 
 The shipped splits are stored as text (`data.load_split`), so any tokenizer reads them. The tiny
 models' tokenizer has `<|bos|>` / `<|eos|>`, which `data.tokenize_documents` looks up by
@@ -18,6 +32,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -26,6 +42,8 @@ from absl import flags
 
 import jaxinfer as ji
 from jaxinfer import data
+from jaxinfer.config import PRESETS, from_hf_config
+from jaxinfer.gguf.loader import config_from_gguf, find_gguf, open_gguf
 
 PRETRAINED_SEPARATOR = "<|endoftext|>"  # GPT-2 style document separator (SmolLM2: id 0)
 
@@ -94,52 +112,188 @@ def spread(seconds: list[float]) -> dict:
     return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds)}
 
 
+def gb_per_s(nbytes: int, reads: int, seconds: float) -> float:
+    """Achieved bandwidth: `reads` passes over `nbytes` (weights read once a decode step) in GB/s.
+
+    Decode is bound by reading the weights: B sequences decoding n tokens read them n times (one
+    step each, the batch shares it); a speculative run reads the target's once per cycle (plus
+    the drafter's per drafted token). GB = 1e9 bytes.
+    """
+    return nbytes * reads / seconds / 1e9
+
+
 def write_json(workdir: str, name: str, obj) -> str:
-    """Writes obj as workdir/name (indent 2); returns the path."""
+    """Writes obj as workdir/name (indent 2) atomically (a temp file renamed); returns the path."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, name)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
+    fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return path
 
 
-def save_config(workdir: str) -> str:
-    """The parsed flags of this script (absl's FLAGS of its own module) as workdir/config.json."""
-    f = flags.FLAGS
-    own = {
-        fl.name: fl.value for fl in f.get_flags_for_module(f.find_module_defining_flag("workdir"))
-    }
-    return write_json(workdir, "config.json", own)
+def write_results(workdir: str, results: dict) -> str:
+    """workdir/results.json, atomically: the results of the run whose config.json is there."""
+    return write_json(workdir, RESULTS, results)
 
 
-def apply_config(path: str, keep: tuple[str, ...] = ("config", "workdir")) -> dict:
-    """Sets the flags saved in a config.json (by `save_config`), except those in `keep`.
+RESULTS = "results.json"
+CONFIG = "config.json"
+_NEVER_APPLIED = ("config", "workdir")
+EXPERIMENTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-    Flags given on the command line beside --config are overridden unless listed in `keep`.
-    Returns the applied settings.
+
+def config_flag() -> flags.FlagHolder:
+    """Defines --config (a saved <workdir>/config.json to rerun), once for all imported scripts."""
+    if "config" in flags.FLAGS:  # a script importing another (bench_serve imports serve_bench)
+        return flags.FlagHolder(flags.FLAGS, flags.FLAGS["config"])
+    return flags.DEFINE_string(
+        "config",
+        None,
+        "Rerun a saved <workdir>/config.json: its flags, with the flags given here on top.",
+        module_name=__name__,
+    )
+
+
+def script_name() -> str:
+    """The running experiment's name, "spec_bench" for `python -m experiments.spec_bench`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = spec.name if spec is not None else os.path.basename(getattr(main, "__file__", ""))
+    name = name.removesuffix(".py").removeprefix("experiments.")
+    return name.removesuffix(".__main__")
+
+
+def _is_experiment_module(module: str) -> bool:
+    if module.startswith("experiments."):
+        return True  # imported (or run with -m: absl keys __main__'s flags by its file)
+    return module.endswith(".py") and os.path.dirname(os.path.abspath(module)) == EXPERIMENTS_DIR
+
+
+def _own() -> list:
+    out = []
+    for module, fls in flags.FLAGS.flags_by_module_dict().items():
+        if _is_experiment_module(module) and module != __name__:
+            out += fls  # not common's --config: the rerun's pointer (train's names a setting)
+    return sorted(out, key=lambda fl: fl.name)
+
+
+def own_flags() -> dict:
+    """name -> value of the flags the experiment modules define (absl's, jax's left out)."""
+    return {fl.name: fl.value for fl in _own()}
+
+
+def save_config(workdir: str, resolved: dict | None = None, script: str | None = None) -> str:
+    """Starts a run in workdir: removes a stale results.json, then writes config.json.
+
+    Call it after the flags are validated (absl's validators, `apply_config`) and before the
+    run's first output. config.json: {"script", "flags": `own_flags()`, "given": names,
+    "resolved"?}.
     """
-    with open(path) as fh:
-        saved = json.load(fh)
-    unknown = sorted(k for k in saved if k not in flags.FLAGS)
+    os.makedirs(workdir, exist_ok=True)
+    stale = os.path.join(workdir, RESULTS)
+    if os.path.exists(stale):
+        os.remove(stale)  # of an earlier run: never beside this run's config.json
+    config = {
+        "script": script or script_name(),
+        "flags": own_flags(),
+        # Given on the command line (or by a --config): scripts whose --quick picks the values
+        # of flags not given (spec_bench, serve_bench) must see the same ones given on a rerun.
+        "given": [fl.name for fl in _own() if fl.present],
+    }
+    if resolved is not None:
+        config["resolved"] = resolved
+    return write_json(workdir, CONFIG, config)
+
+
+def read_config(path: str) -> dict:
+    """The {"script", "flags", ...} of a saved config.json (a flat dict of flags: legacy)."""
+    try:
+        with open(path) as fh:
+            saved = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config={path!r}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config={path!r} is not valid JSON: {e}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--config={path!r} holds a {type(saved).__name__}, not a JSON object")
+    if not isinstance(saved.get("flags"), dict):
+        saved = {"script": None, "flags": saved}  # written before "script"/"flags" existed
+    return saved
+
+
+def _parse_into(fl, value) -> None:
+    """Sets a flag from its saved JSON value through the flag's own parser (type-checked)."""
+    if value is None:
+        fl.value = None
+    elif isinstance(value, bool):
+        fl.parse("true" if value else "false")
+    elif isinstance(value, list):
+        fl.parse(",".join(str(v) for v in value))
+    else:
+        fl.parse(str(value))
+
+
+def apply_config(
+    path: str | None,
+    skip: tuple[str, ...] = _NEVER_APPLIED,
+    take: tuple[str, ...] = (),
+    script: str | None = None,
+) -> dict:
+    """Sets the flags saved in a config.json (by `save_config`); a no-op for path None.
+
+    A flag given on the command line keeps its value (unless listed in `take`); flags in `skip`
+    are never set. The saved values go through each flag's parser and then every validator runs
+    (multi-flag ones included), so a bad or foreign config stops the script before it writes.
+
+    Returns:
+      The applied settings (name -> saved value).
+    """
+    if not path:
+        return {}
+    saved = read_config(path)
+    script = script or script_name()
+    if saved["script"] not in (None, script):
+        raise ValueError(
+            f"--config={path!r} is a config.json of experiments.{saved['script']}, "
+            f"not of experiments.{script}"
+        )
+    unknown = sorted(k for k in saved["flags"] if k not in flags.FLAGS)
     if unknown:
-        raise ValueError(f"{path}: flags {unknown} are not flags of this script")
-    applied = {k: v for k, v in saved.items() if k not in keep}
-    for k, v in applied.items():
-        flags.FLAGS[k].value = v
+        raise ValueError(f"--config={path!r}: flags {unknown} are not flags of {script}")
+    given = saved.get("given")
+    applied = {}
+    for k, v in saved["flags"].items():
+        fl = flags.FLAGS[k]
+        if k in skip or (fl.present and k not in take):
+            continue
+        try:
+            _parse_into(fl, v)
+        except (flags.Error, ValueError) as e:
+            raise ValueError(f"--config={path!r}: {k}={v!r}: {e}") from None
+        if given is not None:
+            fl.present = int(k in given)  # as in the saved run (parse counted it as given)
+        applied[k] = v
+    try:
+        flags.FLAGS.validate_all_flags()
+    except flags.Error as e:
+        raise ValueError(f"--config={path!r}: {e}") from None
     return applied
 
 
 def model_config(name: str):
     """The ModelConfig of a preset (`ji.preset`), a `ji.models` name or a checkpoint path, read
     from its config.json or GGUF metadata only: no weights are loaded."""
-    from jaxinfer.config import PRESETS, from_hf_config
-
     if name in PRESETS:
         return ji.preset(name)
     path = resolve_model(name)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json")) as f:
             return from_hf_config(json.load(f))
-    from jaxinfer.gguf.loader import config_from_gguf, find_gguf, open_gguf
-
     return config_from_gguf(open_gguf(find_gguf(path) or path))

@@ -14,23 +14,16 @@ Writes `<workdir>/config.json` (the flags) and `<workdir>/results.json`, and pri
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 from absl import app, flags
 
-# The checkout root: `experiments.configs` is never installed, and jaxinfer may not be.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import jax.numpy as jnp  # noqa: E402
-
-from jaxinfer import data, models  # noqa: E402
-from jaxinfer import eval as jeval  # noqa: E402
-from jaxinfer.checkpoint import load_checkpoint  # noqa: E402
+from experiments import common
+from jaxinfer import data
+from jaxinfer import eval as jeval
+from jaxinfer.checkpoint import load_checkpoint
 
 _MODEL = flags.DEFINE_string("model", "", "HF dir of the model; empty: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", "", "Optional HF dir of a draft model to compare.")
@@ -45,6 +38,7 @@ _BATCH_SIZE = flags.DEFINE_integer(
 _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", "", "Cache for the tokenized train stream (unigram counts); default --workdir."
 )
+_CONFIG = common.config_flag()
 flags.mark_flag_as_required("workdir")
 
 
@@ -60,17 +54,11 @@ def _row(name: str, stats: jeval.LMStats) -> dict:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     workdir = Path(_WORKDIR.value)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = _MODEL.value or models.path("target")
-    flags_used = {
-        "model": model_dir,
-        "draft": _DRAFT.value or None,
-        "max_tokens": _MAX_TOKENS.value,
-        "seq_len": _SEQ_LEN.value,
-        "batch_size": _BATCH_SIZE.value,
-    }
-    (workdir / "config.json").write_text(json.dumps(flags_used, indent=2) + "\n")
+    model_dir = common.resolve_model(_MODEL.value or "target")
+    draft_dir = common.resolve_model(_DRAFT.value) if _DRAFT.value else None
+    common.save_config(str(workdir), resolved={"model": model_dir, "draft": draft_dir})
 
     tok = data.load_tokenizer()
     windows = jeval.standard_windows(tok, _SEQ_LEN.value, _MAX_TOKENS.value)  # [N, S+1]
@@ -87,14 +75,14 @@ def main(argv):
         "unigram": _row("unigram (train counts, add-one)", unigram),
     }
     if _DRAFT.value:
-        dcfg, dparams = load_checkpoint(_DRAFT.value, dtype=jnp.float32)
+        dcfg, dparams = load_checkpoint(draft_dir, dtype=jnp.float32)
         dstats = jeval.lm_stats(dcfg, dparams, windows, batch_size=_BATCH_SIZE.value, progress=True)
         pair = jeval.pair_stats(
             (cfg, params), (dcfg, dparams), windows, batch_size=_BATCH_SIZE.value, progress=True
         )
         results["draft"] = {**_row(_DRAFT.value, dstats), "num_params": dcfg.num_params()}
         results["draft_vs_model"] = {"greedy_agreement": pair.agreement, "kl": pair.kl}
-    (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(str(workdir), results)
 
     print(f"test split, first {_MAX_TOKENS.value} tokens, windows {tuple(windows.shape)}")
     print(f"{'':34s} {'ppl':>9s} {'nll':>7s} {'top-1':>7s}")

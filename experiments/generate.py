@@ -4,7 +4,9 @@ r"""Generates a completion of one prompt with a Hugging Face checkpoint director
     python experiments/generate.py --prompt="import os" --temperature=0.8 --top_p=0.95
 
 Without --model it uses the shipped target model (jaxinfer.models.path("target")).
-Prints the text, the token ids, and tokens/s (timed on a second, already compiled call).
+Prints the text, the token ids, tokens/s and the achieved weight bandwidth (GB/s: the weights
+are read once a decode step), timed on a second, already compiled call. With --workdir it
+writes config.json and results.json there (rerun with --config=<workdir>/config.json).
 """
 
 from __future__ import annotations
@@ -14,11 +16,8 @@ import time
 from absl import app, flags
 
 import jaxinfer as ji
-
-try:
-    from experiments import flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import flag_checks
+from experiments import common, flag_checks
+from jaxinfer import memory
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint dir; default: the shipped target.")
 _PROMPT = flags.DEFINE_string("prompt", "def fib(n):", "Prompt text.")
@@ -29,6 +28,8 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off.")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
 _BACKEND = flags.DEFINE_enum("backend", "auto", ji.ops.BACKENDS, "Attention backend.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Optional: write config.json, results.json here.")
+_CONFIG = common.config_flag()
 flag_checks.number(_TEMPERATURE, min_value=0.0)
 flag_checks.number(_TOP_P, above=0.0, max_value=1.0)
 flag_checks.number(_MIN_P, min_value=0.0, max_value=1.0)
@@ -36,7 +37,10 @@ flag_checks.number(_MIN_P, min_value=0.0, max_value=1.0)
 
 def main(argv):
     del argv
-    path = _MODEL.value or ji.models.path("target")
+    common.apply_config(_CONFIG.value)
+    path = common.resolve_model(_MODEL.value or "target")
+    if _WORKDIR.value:
+        common.save_config(_WORKDIR.value, resolved={"model": path})
     cfg, params = ji.load_checkpoint(path)
     tok = ji.load_tokenizer(path)
     ids = tok.encode(_PROMPT.value).ids
@@ -52,12 +56,24 @@ def main(argv):
     t0 = time.perf_counter()
     ji.generate(cfg, params, [ids], sp, backend=_BACKEND.value)
     steady = time.perf_counter() - t0
-    print(_PROMPT.value + tok.decode(out.token_ids))
+    n = len(out.token_ids)
+    nbytes = memory.tree_bytes(params)
+    res = {
+        "model": path, "prompt": _PROMPT.value, "text": tok.decode(out.token_ids),
+        "token_ids": out.token_ids, "finish_reason": out.finish_reason, "tokens": n,
+        "first_call_s": first, "steady_s": steady, "tok_s": n / steady,
+        "weight_bytes": nbytes, "weight_gb_s": common.gb_per_s(nbytes, n, steady),
+        "load_average": common.load_average(),
+    }  # fmt: skip
+    print(_PROMPT.value + res["text"])
     print(f"\ntoken ids: {out.token_ids}")
     print(
-        f"{len(out.token_ids)} tokens, finish_reason={out.finish_reason}; first call (with "
-        f"compile) {first:.2f}s; compiled: {len(out.token_ids) / steady:.1f} tokens/s"
+        f"{n} tokens, finish_reason={out.finish_reason}; first call (with compile) {first:.2f}s; "
+        f"compiled: {res['tok_s']:.1f} tokens/s, {res['weight_gb_s']:.2f} GB/s of weights "
+        f"({nbytes / 1e6:.1f} MB read once a step)"
     )
+    if _WORKDIR.value:
+        common.write_results(_WORKDIR.value, res)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -37,22 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, _ROOT)
-from experiments import flag_checks  # noqa: E402
-from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference  # noqa: E402
-from pallas_kernels.int8_matmul import (  # noqa: E402
+from experiments import common, flag_checks
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from pallas_kernels.int8_matmul import (
     int8_int8_matmul,
     int8_int8_matmul_reference,
     int8_matmul,
     int8_matmul_reference,
 )
-from pallas_kernels.paged_attention import (  # noqa: E402
+from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.testing import (  # noqa: E402
+from pallas_kernels.testing import (
     ragged_attention_batch,
     relative_error,
     stack_layers,
@@ -73,6 +69,7 @@ _COPY_MIB = flags.DEFINE_integer(
     "copy_mib", 1024, "Size of the bandwidth-ceiling stream.", lower_bound=1
 )
 _SKIP_TIMING = flags.DEFINE_bool("skip_timing", False, "Run only the correctness part.")
+_CONFIG = common.config_flag()
 for _flag in (_INT4_M, _CONTEXTS, _BATCHES):
     flag_checks.int_list(_flag, min_value=1)
 
@@ -363,6 +360,7 @@ def _table(results: dict) -> str:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     device = jax.devices()[0]
     cfg = BenchConfig(
         workdir=_WORKDIR.value,
@@ -378,9 +376,7 @@ def main(argv):
         device_kind=device.device_kind,
         jax_version=jax.__version__,
     )
-    os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    common.save_config(cfg.workdir, resolved=dataclasses.asdict(cfg))
     on_gpu = cfg.platform == "gpu"
     print(f"device: {cfg.device_kind} ({cfg.platform}), jax {cfg.jax_version}")
 
@@ -396,15 +392,14 @@ def main(argv):
             ("attention", lambda: bench_attention(cfg)),
         ]
     # One device run has to count: a section that fails is recorded and the others still run,
-    # and results.json is rewritten after every section.
+    # and results.json is rewritten (atomically: this run's, so far) after every section.
     for name, run in sections:
         try:
             results[name] = run()
         except Exception as e:  # noqa: BLE001 (recorded, reported, and the exit status says so)
             results["errors"][name] = f"{type(e).__name__}: {e}"[:4000]
             print(f"FAIL {name}: {results['errors'][name]}")
-        with open(os.path.join(cfg.workdir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        common.write_results(cfg.workdir, results)
     print(_table(results))
     if results["errors"] or not all(r["ok"] for r in results.get("correctness", [])):
         sys.exit(1)

@@ -42,20 +42,17 @@ import tempfile
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA runtime is needed here
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
-from jax._src.interpreters import mlir  # noqa: E402
-from jax._src.lib import triton  # noqa: E402
-from jax._src.pallas.triton import pallas_call_registration  # noqa: E402
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax._src.interpreters import mlir
+from jax._src.lib import triton
+from jax._src.pallas.triton import pallas_call_registration
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, _ROOT)
-from experiments import kernel_bench  # noqa: E402
-from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
-from pallas_kernels.int8_matmul import int8_int8_matmul, int8_matmul  # noqa: E402
-from pallas_kernels.paged_attention import ragged_paged_attention  # noqa: E402
+from experiments import common, kernel_bench
+from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.int8_matmul import int8_int8_matmul, int8_matmul
+from pallas_kernels.paged_attention import ragged_paged_attention
 
 # The bench's own flags: --workdir, and --int4_m / --contexts / --batches choose what is compiled.
 _ARCH = flags.DEFINE_string("arch", "9.0", "Compute capability to compile for.")
@@ -412,6 +409,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv):
     del argv
+    common.apply_config(flags.FLAGS.config)
     jax.devices()  # initialises the plugins, which register Triton's compilation handler
     if not triton.has_compilation_handler("cuda"):
         sys.exit(
@@ -420,6 +418,8 @@ def main(argv):
         )
     ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
     print(f"jax {jax.__version__}, arch {_ARCH.value}, ptxas {ptxas}, nvdisasm {nvdisasm}")
+    workdir = flags.FLAGS.workdir
+    common.save_config(workdir, resolved={"ptxas": ptxas, "nvdisasm": nvdisasm})
     flag_values = flags.FLAGS
     sizes = [
         [int(v) for v in flag_values[name].value] for name in ("int4_m", "contexts", "batches")
@@ -441,9 +441,9 @@ def main(argv):
             row["problems"] = problems(row, _SMEM_LIMIT.value)
             print(("ok   " if not row["problems"] else "FAIL ") + json.dumps(row))
             rows.append(row)
-    os.makedirs(flags.FLAGS.workdir, exist_ok=True)
-    with open(os.path.join(flags.FLAGS.workdir, "compile_check.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "arch": _ARCH.value, "rows": rows}, f, indent=2)
+    results = {"jax": jax.__version__, "arch": _ARCH.value, "rows": rows}
+    common.write_json(workdir, "compile_check.json", results)  # its old name, kept for readers
+    common.write_results(workdir, results)
     print(_table(rows))
     bad = [r for r in rows if r["problems"]]
     print(

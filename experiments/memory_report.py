@@ -11,25 +11,13 @@ format x KV format), and prints the table.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+import os
 
 from absl import app, flags
 
-try:
-    import jaxinfer  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from experiments import common, flag_checks
 from jaxinfer import memory, models
 from jaxinfer.config import PRESETS
-
-try:
-    from experiments import common, flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import common
-    import flag_checks
 
 _MODELS = flags.DEFINE_list(
     "models",
@@ -49,6 +37,7 @@ _BLOCK_SIZE = flags.DEFINE_integer(
     "block_size", 16, "KV block size (sequences hold whole blocks).", lower_bound=1
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
+_CONFIG = common.config_flag()
 flags.mark_flag_as_required("workdir")
 flag_checks.choice_list(_MODELS, sorted(PRESETS) + models.names())
 flag_checks.each(_WEIGHTS, memory.parse_weight_format)
@@ -64,60 +53,25 @@ flags.register_multi_flags_validator(
 
 def main(argv):
     del argv
-    workdir = Path(_WORKDIR.value)
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "models": _MODELS.value,
-        "weight_formats": _WEIGHTS.value,
-        "kv_formats": _KV.value,
-        "seq_len": _SEQ_LEN.value,
-        "gpu_gib": _GPU_GIB.value,
-        "reserve_gib": _RESERVE_GIB.value,
-        "block_size": _BLOCK_SIZE.value,
-    }
-    (workdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    rows = []
-    header = (
-        f"{'model':<12} {'weights':<8} {'kv':<5} {'params':>7} {'GB':>7} {'GiB':>7} "
-        f"{'KV B/tok':>9} {'seqs':>6}"
+    common.apply_config(_CONFIG.value)
+    workdir = _WORKDIR.value
+    configs = {name: common.model_config(name) for name in _MODELS.value}  # before any write
+    common.save_config(workdir)
+    gpu = f"{_GPU_GIB.value:g} GiB"
+    rows = memory.memory_table(
+        configs, tuple(_WEIGHTS.value), tuple(_KV.value), seq_lens=(_SEQ_LEN.value,),
+        gpus={gpu: _GPU_GIB.value}, reserve_gib=_RESERVE_GIB.value, block_size=_BLOCK_SIZE.value,
+    )  # fmt: skip
+    table = memory.markdown_table(rows)
+    note = (
+        f"Sequences of {_SEQ_LEN.value} tokens whose KV fits in a {gpu} GPU beside the weights "
+        f"and a {_RESERVE_GIB.value:g} GiB reserve (block size {_BLOCK_SIZE.value}); "
+        "GB = 1e9 B, GiB = 2^30 B; scales and zeros counted."
     )
-    print(header)
-    print("-" * len(header))
-    for name in _MODELS.value:
-        cfg = common.model_config(name)
-        for wf in _WEIGHTS.value:
-            for kv in _KV.value:
-                r = memory.memory_report(
-                    cfg, wf, kv, seq_len=_SEQ_LEN.value, gpu_gib=_GPU_GIB.value,
-                    reserve_gib=_RESERVE_GIB.value, block_size=_BLOCK_SIZE.value, model=name,
-                )  # fmt: skip
-                rows.append(r.to_dict())
-                print(
-                    f"{name:<12} {wf:<8} {kv:<5} {r.num_params / 1e9:>6.2f}B "
-                    f"{r.weight_gb:>7.2f} {r.weight_gib:>7.2f} {r.kv_bytes_per_token:>9,} "
-                    f"{r.max_sequences:>6}"
-                )
-    print(
-        f"\nseqs: sequences of {_SEQ_LEN.value} tokens whose KV fits in {_GPU_GIB.value} GiB "
-        f"beside the weights and a {_RESERVE_GIB.value} GiB reserve. GB = 1e9 B, GiB = 2^30 B."
-    )
-    (workdir / "results.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    md = [
-        f"Sequences of {_SEQ_LEN.value} tokens whose KV fits in a {_GPU_GIB.value:g} GiB GPU "
-        f"beside the weights and a {_RESERVE_GIB.value:g} GiB reserve (block size "
-        f"{_BLOCK_SIZE.value}); GB = 1e9 B, GiB = 2^30 B; scales and zeros counted.",
-        "",
-        "| model | weights | KV | params | weights GB | weights GiB | KV bytes/token | seqs |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    md += [
-        f"| {r['model']} | {r['weight_format']} | {r['kv_format']} | {r['num_params'] / 1e9:.2f} B "
-        f"| {r['weight_gb']:.2f} | {r['weight_gib']:.2f} | {r['kv_bytes_per_token']:,} "
-        f"| {r['max_sequences']} |"
-        for r in rows
-    ]
-    (workdir / "memory.md").write_text("\n".join(md) + "\n")
+    print(table + "\n" + note)
+    with open(os.path.join(workdir, "memory.md"), "w") as f:
+        f.write(note + "\n\n" + table)
+    common.write_results(workdir, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -40,14 +40,9 @@ import numpy as np
 from absl import app, flags, logging
 
 import jaxinfer as ji
+from experiments import common, flag_checks
 from jaxinfer import data
 from jaxinfer import eval as ji_eval
-
-try:
-    from experiments import common, flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import common
-    import flag_checks
 
 # Predicted-token budgets of --quick (+1: windows share a boundary token): 32 windows of 256 for
 # the tiny pair; 16 for a 135 M model, whose dense forward is ~35x costlier a token on a CPU.
@@ -84,23 +79,27 @@ _STAGES = flags.DEFINE_list(
     "stages", ["quality", "quantization", "memory", "serving", "speculative"], "Stages to run."
 )
 
-EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
+_CONFIG = common.config_flag()
+
+# The checkout root, on the stages' PYTHONPATH: they run as `python -m experiments.X` from any
+# working directory (their --workdir paths stay relative to this one's).
+ROOT = os.path.dirname(common.EXPERIMENTS_DIR)
 TITLES = {
     "quantization": "Quantization quality",
     "memory": "Memory",
     "serving": "Serving",
     "speculative": "Speculative decoding",
 }
-# (stage, tiny pair?) -> (script, markdown file it writes)
+# (stage, tiny pair?) -> (module of experiments/, markdown file it writes)
 STAGE_SCRIPTS = {
-    ("quantization", True): ("quality_report.py", "quality.md"),
-    ("quantization", False): ("quant_sweep.py", "quant_sweep.md"),
-    ("memory", True): ("memory_report.py", "memory.md"),
-    ("memory", False): ("memory_report.py", "memory.md"),
-    ("serving", True): ("serve_bench.py", "serve_bench.md"),
-    ("serving", False): ("serve_bench.py", "serve_bench.md"),
-    ("speculative", True): ("spec_bench.py", "table.md"),
-    ("speculative", False): ("spec_ngram.py", "spec_ngram.md"),
+    ("quantization", True): ("quality_report", "quality.md"),
+    ("quantization", False): ("quant_sweep", "quant_sweep.md"),
+    ("memory", True): ("memory_report", "memory.md"),
+    ("memory", False): ("memory_report", "memory.md"),
+    ("serving", True): ("serve_bench", "serve_bench.md"),
+    ("serving", False): ("serve_bench", "serve_bench.md"),
+    ("speculative", True): ("spec_bench", "table.md"),
+    ("speculative", False): ("spec_ngram", "spec_ngram.md"),
 }
 flag_checks.choice_list(_STAGES, ("quality", *TITLES))
 
@@ -271,8 +270,8 @@ def _quality_section(results: dict) -> list[str]:
 
 def stage_command(stage: str, out_dir: str, paths: dict, tiny: bool, random_init: bool) -> list:
     """The subprocess command line of a script stage."""
-    script = STAGE_SCRIPTS[(stage, tiny)][0]
-    cmd = [sys.executable, os.path.join(EXPERIMENTS, script), f"--workdir={out_dir}"]
+    module = STAGE_SCRIPTS[(stage, tiny)][0]
+    cmd = [sys.executable, "-m", f"experiments.{module}", f"--workdir={out_dir}"]
     if stage != "memory" and _quick():
         cmd.append("--quick")
     target = None if random_init else paths["target"]
@@ -300,7 +299,10 @@ def run_script_stage(stage: str, workdir: str, paths: dict, tiny: bool, random_i
     cmd = stage_command(stage, out_dir, paths, tiny, random_init)
     print(f"[{stage}] " + " ".join(cmd[1:]), flush=True)
     load0, t0 = common.load_average(), time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}
+    )
     seconds = time.perf_counter() - t0
     with open(os.path.join(out_dir, "log.txt"), "w") as f:
         f.write(proc.stdout + "\n" + proc.stderr)
@@ -311,7 +313,7 @@ def run_script_stage(stage: str, workdir: str, paths: dict, tiny: bool, random_i
         print(f"[{stage}] FAILED (exit {proc.returncode}); see {out_dir}/log.txt\n{tail}")
     print(f"[{stage}] {seconds:.0f} s", flush=True)
     pngs = sorted(os.path.join(stage, f) for f in os.listdir(out_dir) if f.endswith(".png"))
-    shown = ["python", f"experiments/{os.path.basename(cmd[1])}", *cmd[2:]]
+    shown = ["python", *cmd[1:]]
     command = " ".join(shown).replace(out_dir, f"<workdir>/{stage}")
     return {"title": TITLES[stage], "ok": proc.returncode == 0 and md is not None,
             "seconds": seconds, "load_average": [load0, common.load_average()],
@@ -352,10 +354,9 @@ def write_report(workdir: str, models: dict, results: dict, pngs: list[str]) -> 
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     workdir = _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(flags.FLAGS.flag_values_dict(), f, indent=2, default=str)
+    common.save_config(workdir)
     target, draft, tok, paths, random_init = _load_models()
     tiny = _is_tiny(tok)
     print(f"models: {paths}")
@@ -379,9 +380,8 @@ def main(argv):
             results["stage_seconds"][stage] = results[stage]["seconds"]
             results["stage_load"][stage] = results[stage]["load_average"]
     results["seconds"] = time.perf_counter() - t0
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
     write_report(workdir, paths, results, _loss_curves(paths, workdir))
+    common.write_results(workdir, results)
     print(f"wrote {os.path.join(workdir, 'report.md')}")
 
 

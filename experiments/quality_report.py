@@ -29,29 +29,24 @@ it next to another absl script defines nothing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-try:
-    import jaxinfer  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from absl import logging as absl_logging
 
+from experiments import common
 from jaxinfer import data, memory, models, quant
 from jaxinfer import eval as ji_eval
 from jaxinfer.checkpoint import load_checkpoint, load_tokenizer
 from jaxinfer.config import ModelConfig, preset
 from jaxinfer.model.params import LINEAR_NAMES
-from jaxinfer.qtensor import Int4Weight, Int8Weight, is_quantized
+from jaxinfer.qtensor import Int8Weight, is_quantized
 
 QUICK_EVAL_TOKENS = 32 * ji_eval.EVAL_SEQ_LEN + 1  # 32 windows: 8,192 predicted tokens
 QUICK_CALIB_SEQUENCES = 32
@@ -131,39 +126,6 @@ def with_dynamic_activations(qparams: dict) -> dict:
         qparams,
         is_leaf=is_quantized,
     )
-
-
-def tree_nbytes(tree) -> int:
-    """Sum of the nbytes of every array leaf (quantized weights: packed, scales, zeros, perm)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
-def linear_bits(params: dict) -> dict:
-    """Bits per weight of the decoder linears, as stored and as an ideal packing would need.
-
-    Stored: 8 · nbytes of every leaf of the linears (codes in 4-bit containers, scales, int32
-    zero points, act-order perm). Ideal: `bits` per code plus, per group, one scale in its stored
-    dtype and one zero point of `bits` bits (int8: one float32 scale per output channel).
-
-    Returns:
-      {"weights": count, "bpw_stored": float, "bpw_ideal": float}.
-    """
-    n, stored, ideal = 0, 0, 0
-    for name in LINEAR_NAMES:
-        w = params["layers"][name]
-        if isinstance(w, Int4Weight):
-            k = int(np.prod(w.packed.shape[:-2])) * w.shape[0] * w.shape[1]  # L · in · out
-            groups = w.scales.size  # [(L,) in/G, out]
-            ideal += k * w.bits + groups * (8 * w.scales.dtype.itemsize + w.bits)
-        elif isinstance(w, Int8Weight):
-            k = w.q.size
-            ideal += 8 * k + 8 * tree_nbytes(w.scales)
-        else:
-            k = w.size
-            ideal += 8 * w.size * w.dtype.itemsize
-        n += k
-        stored += 8 * tree_nbytes(w)
-    return {"weights": n, "bpw_stored": stored / n, "bpw_ideal": ideal / n}
 
 
 def artifact_disk_bytes(cfg: ModelConfig, qparams: dict, qcfg: quant.QuantConfig) -> int:
@@ -257,10 +219,10 @@ def build_variants(
             build_cpu_seconds=time.process_time() - cpu0,  # calibration + save, all threads
             mean_layer_error=errors,
             notes=notes,
-            param_bytes=tree_nbytes(qparams),
-            linear_bytes=tree_nbytes({n: qparams["layers"][n] for n in LINEAR_NAMES}),
+            param_bytes=memory.tree_bytes(qparams),
+            linear_bytes=memory.tree_bytes({n: qparams["layers"][n] for n in LINEAR_NAMES}),
             artifact_disk_bytes=disk,
-            **linear_bits(qparams),
+            **memory.bits_per_weight(qparams),
         )
         rows.append(row)
         if v.family != "baseline":
@@ -324,6 +286,8 @@ def run(
       "goals", "gptq_seconds", "seconds", "machine", ...
     """
     cfg_r = config or resolve_config(model_dir, quick)
+    if workdir:  # the run's config.json first, and no results.json of an earlier run beside it
+        common.save_config(workdir, resolved=dataclasses.asdict(cfg_r), script="quality_report")
     start, cpu_start = time.perf_counter(), time.process_time()
     cfg, params = load_checkpoint(cfg_r.model, dtype=jnp.float32)
     tok = load_tokenizer(cfg_r.model)
@@ -383,18 +347,15 @@ def _cfg_summary(cfg: ModelConfig) -> dict:
 
 
 def write_outputs(workdir: str, results: dict, cfg: ModelConfig | None = None) -> None:
-    """config.json, results.json, quality.md, quality.png and (with cfg) memory.md."""
+    """quality.md, quality.png, (with cfg) memory.md, and last results.json (atomically)."""
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(results["config"], f, indent=2)
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
     plot(results, os.path.join(workdir, "quality.png"))
     with open(os.path.join(workdir, "quality.md"), "w") as f:
         f.write(markdown(results, plot_file="quality.png"))
     if cfg is not None:
         with open(os.path.join(workdir, "memory.md"), "w") as f:
             f.write(memory_table(cfg))
+    common.write_results(workdir, results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,25 +495,6 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def memory_rows(cfg: ModelConfig, name: str = "target") -> list[dict]:
-    """`memory.memory_report` rows for `cfg` and the real presets, every format, GPU, length."""
-    out = []
-    configs = [(name, cfg)] + [(m, preset(m)) for m in MEMORY_MODELS]
-    for model, mcfg in configs:
-        mcfg = mcfg.replace(dtype="bfloat16")  # a bf16 deployment: embeddings, scales, norms
-        for wf in MEMORY_WEIGHTS:
-            for kv in MEMORY_KV:
-                row = {"model": model, "weights": wf, "kv": kv}
-                for gpu, gib in MEMORY_GPUS.items():
-                    for n in MEMORY_SEQ_LENS:
-                        r = memory.memory_report(mcfg, wf, kv, seq_len=n, gpu_gib=gib, model=model)
-                        row[f"{gpu} @ {n}"] = r.max_sequences
-                row["weight_gb"] = r.weight_gb
-                row["kv_bytes_per_token"] = r.kv_bytes_per_token
-                out.append(row)
-    return out
-
-
 def memory_table(cfg: ModelConfig, name: str = "target") -> str:
     """Markdown: weights, KV bytes per token and sequences that fit, for `cfg` and the presets.
 
@@ -561,12 +503,16 @@ def memory_table(cfg: ModelConfig, name: str = "target") -> str:
       name: its display name.
 
     Returns:
-      A markdown table: one row per model x weight format (bf16, w8, w4g128, w3g128) x KV
-      format (bf16, int8, fp8), with the sequences of 2048 and 8192 tokens whose KV fits in an
-      80 GiB and a 141 GiB (H200) GPU beside the weights and a 2 GiB reserve.
+      `memory.markdown_table` of `memory.memory_table`: one row per model x weight format
+      (bf16, w8, w4g128, w3g128) x KV format (bf16, int8, fp8), with the sequences of 2048 and
+      8192 tokens whose KV fits in an 80 GiB and a 141 GiB (H200) GPU beside the weights and a
+      2 GiB reserve, every model deployed in bf16 (embeddings, scales, norms).
     """
-    rows = memory_rows(cfg, name)
-    fits = [k for k in rows[0] if "@" in k]
+    configs = {name: cfg, **{m: preset(m) for m in MEMORY_MODELS}}
+    rows = memory.memory_table(
+        {m: c.replace(dtype="bfloat16") for m, c in configs.items()}, MEMORY_WEIGHTS, MEMORY_KV,
+        seq_lens=MEMORY_SEQ_LENS, gpus=MEMORY_GPUS,
+    )  # fmt: skip
     lines = [
         "## Memory: weights, KV cache and sequences that fit",
         "",
@@ -575,16 +521,8 @@ def memory_table(cfg: ModelConfig, name: str = "target") -> str:
         "with a float32 scale per token and head), and how many sequences of N tokens fit in "
         "the GPU's memory (GiB) beside the weights and a 2 GiB reserve, KV blocks of 16 tokens.",
         "",
-        "| model | weights | KV | weights GB | KV B/token | " + " | ".join(fits) + " |",
-        "|---|---|---|---|---|" + "---|" * len(fits),
     ]
-    for r in rows:
-        cells = " | ".join(f"{r[k]:,}" for k in fits)
-        lines.append(
-            f"| {r['model']} | {r['weights']} | {r['kv']} | {r['weight_gb']:.3f} | "
-            f"{r['kv_bytes_per_token']:,} | {cells} |"
-        )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + memory.markdown_table(rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,46 +530,42 @@ def memory_table(cfg: ModelConfig, name: str = "target") -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _define_flags():
-    from absl import flags
-
-    flags.DEFINE_string("model", None, "HF dir or shipped model name; default: the target.")
-    flags.DEFINE_string("workdir", None, "Where the report goes.")
-    flags.DEFINE_bool("quick", False, "Small budget: 8,192 test tokens, 32 calib sequences.")
-    flags.DEFINE_integer(
-        "calib_sequences", None, "Calibration sequences (default 128; quick 32).", lower_bound=1
-    )
-    flags.DEFINE_integer("calib_seq_len", 256, "Tokens per calibration sequence.", lower_bound=1)
-    flags.DEFINE_integer(
-        "eval_tokens", None, "Test-stream token budget (default 65,536).", lower_bound=1
-    )
-    flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.", lower_bound=0)
-    flags.DEFINE_bool("gptq_true_sequential", False, "GPTQ rows: QuantConfig.true_sequential.")
-    flags.mark_flag_as_required("workdir")
-    return flags.FLAGS
+_MODEL = flags.DEFINE_string("model", None, "HF dir or shipped model name; default: the target.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the report goes.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small budget: 8,192 test tokens, 32 calib sequences.")
+_CALIB_SEQUENCES = flags.DEFINE_integer(
+    "calib_sequences", None, "Calibration sequences (default 128; quick 32).", lower_bound=1
+)
+_CALIB_SEQ_LEN = flags.DEFINE_integer(
+    "calib_seq_len", 256, "Tokens per calibration sequence.", lower_bound=1
+)
+_EVAL_TOKENS = flags.DEFINE_integer(
+    "eval_tokens", None, "Test-stream token budget (default 65,536).", lower_bound=1
+)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.", lower_bound=0)
+_TRUE_SEQUENTIAL = flags.DEFINE_bool(
+    "gptq_true_sequential", False, "GPTQ rows: QuantConfig.true_sequential."
+)
+_CONFIG = common.config_flag()
+flags.mark_flag_as_required("workdir")
 
 
 def main(argv):
     del argv
-    from absl import flags
-
-    f = flags.FLAGS
+    common.apply_config(_CONFIG.value)
     config = resolve_config(
-        f.model,
-        f.quick,
-        f.calib_sequences,
-        f.calib_seq_len,
-        f.eval_tokens,
-        f.seed,
-        f.gptq_true_sequential,
+        _MODEL.value,
+        _QUICK.value,
+        _CALIB_SEQUENCES.value,
+        _CALIB_SEQ_LEN.value,
+        _EVAL_TOKENS.value,
+        _SEED.value,
+        _TRUE_SEQUENTIAL.value,
     )
-    results = run(workdir=f.workdir, config=config)
+    results = run(workdir=_WORKDIR.value, config=config)
     print(markdown(results))
-    print(f"wrote {f.workdir}/quality.md, quality.png, memory.md, results.json")
+    print(f"wrote {_WORKDIR.value}/quality.md, quality.png, memory.md, results.json")
 
 
 if __name__ == "__main__":
-    from absl import app
-
-    _define_flags()
     app.run(main)

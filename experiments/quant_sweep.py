@@ -26,14 +26,9 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import jaxinfer as ji
+from experiments import common, flag_checks
 from jaxinfer import eval as ji_eval
 from jaxinfer import quant
-
-try:
-    from experiments import common, flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import common
-    import flag_checks
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "A ji.models name or a checkpoint path.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quant_sweep", "Output directory.")

@@ -13,21 +13,13 @@ per-layer relative output errors ‖X(W − Ŵ)‖² / ‖XW‖², notes) and th
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 from absl import app, flags
 
-try:
-    import jaxinfer  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import jax.numpy as jnp
-
-from jaxinfer import data, models, quant
+from experiments import common
+from jaxinfer import data, quant
 from jaxinfer.checkpoint import load_checkpoint
 
 _MODEL = flags.DEFINE_string("model", "target", "HF dir, or the name of a shipped model.")
@@ -45,6 +37,7 @@ _LEN = flags.DEFINE_integer("calib_len", 256, "Tokens per calibration sequence."
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the calibration draw.", lower_bound=0)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Params.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json, results.json, artifact go.")
+_CONFIG = common.config_flag()
 flags.mark_flag_as_required("workdir")
 _QUANT_FLAGS = (
     "method", "bits", "group_size", "sym", "damp", "act_order", "static_groups", "alpha",
@@ -82,19 +75,12 @@ flags.register_multi_flags_validator(list(_QUANT_FLAGS), _check_quant_flags)
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     workdir = Path(_WORKDIR.value)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = _MODEL.value if os.path.isdir(_MODEL.value) else models.path(_MODEL.value)
+    model_dir = common.resolve_model(_MODEL.value)
     qcfg = quant_config({name: flags.FLAGS[name].value for name in _QUANT_FLAGS})
-    config = {
-        "model": model_dir,
-        "calib_samples": _SAMPLES.value,
-        "calib_len": _LEN.value,
-        "seed": _SEED.value,
-        "dtype": _DTYPE.value,
-        "quant_config": qcfg.to_dict(),
-    }
-    (workdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    resolved = {"model": model_dir, "quant_config": qcfg.to_dict()}
+    common.save_config(str(workdir), resolved=resolved)
 
     cfg, params = load_checkpoint(model_dir, dtype=jnp.dtype(_DTYPE.value))
     calib = data.calibration_batch(data.load_tokenizer(), _SAMPLES.value, _LEN.value, _SEED.value)
@@ -116,7 +102,7 @@ def main(argv):
         "report": report.to_dict(),
         "artifact": str(workdir / "artifact"),
     }
-    (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(str(workdir), results)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ table), goodput_vs_rate.png and latency_cdf.png.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -43,17 +42,14 @@ import numpy as np
 from absl import app, flags, logging
 
 import jaxinfer as ji
+from experiments import common, flag_checks
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.engine import SLO, MetricsCollector
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
 
-try:
-    from experiments import flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import flag_checks
-
 _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_bench", "Output directory.")
+_CONFIG = common.config_flag()
 _MODEL = flags.DEFINE_string("model", None, "HF dir; default: the shipped target model.")
 _QUICK = flags.DEFINE_boolean("quick", False, "A ~1 minute run: short requests, few of them.")
 _WORKLOADS = flags.DEFINE_list(
@@ -483,12 +479,11 @@ def _json_safe(x):
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     workdir = _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
     cfg, params, description = load_model(_MODEL.value)
     bc = resolve_config(description)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(bc), f, indent=2)
+    common.save_config(workdir, resolved=dataclasses.asdict(bc))
     for name in bc.workloads:  # unknown names fail before any compilation
         make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
     t0 = time.perf_counter()
@@ -515,8 +510,7 @@ def main(argv):
         "workloads": results,
         "plots": [os.path.basename(p) for p in pngs],
     }
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(_json_safe(out), f, indent=1)
+    common.write_results(workdir, _json_safe(out))
     print(markdown(bc, slo, results, command))
     print(f"wrote {workdir}/results.json, serve_bench.md, {', '.join(map(os.path.basename, pngs))}")
 

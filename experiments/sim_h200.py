@@ -14,17 +14,16 @@ Requests arrive as a Poisson process; prompts and outputs have fixed lengths (--
 
 from __future__ import annotations
 
-import json
-import os
-
 from absl import app, flags
 
 import jaxinfer as ji
+from experiments import common, flag_checks
 from jaxinfer.config import preset
 from jaxinfer.engine.metrics import SLO
 from jaxinfer.engine.sim import H200, RooflineStepTime, Simulator, poisson_workload
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json is written.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
+_CONFIG = common.config_flag()
 _PRESET = flags.DEFINE_string("preset", "llama2-7b", "Model preset (jaxinfer.config.PRESETS).")
 _TP = flags.DEFINE_list("tp", ["1", "2", "4"], "Tensor-parallel degrees.")
 _RATES = flags.DEFINE_list("rates", ["4", "16", "64"], "Request rates (requests / s).")
@@ -37,6 +36,8 @@ _HBM_GIB = flags.DEFINE_float("hbm_gib", 141.0, "Device memory (GiB).")
 _KV_FRACTION = flags.DEFINE_float("kv_fraction", 0.85, "Share of the rest given to the KV pool.")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft_s", 1.0, "Goodput SLO: TTFT (s).")
 _SLO_TPOT = flags.DEFINE_float("slo_tpot_s", 0.05, "Goodput SLO: TPOT (s).")
+flag_checks.int_list(_TP, min_value=1)
+flag_checks.float_list(_RATES, above=0.0)
 _BLOCK = 16
 
 
@@ -50,14 +51,18 @@ def _num_blocks(cfg, tp: int) -> int:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     cfg = preset(_PRESET.value)
+    for tp in map(int, _TP.value):
+        ji.distributed.tp_grid(cfg, tp)  # refuses a degree the heads cannot take: before writing
+    if _WORKDIR.value:
+        common.save_config(_WORKDIR.value)
     slo = SLO(ttft_s=_SLO_TTFT.value, tpot_s=_SLO_TPOT.value)
     rows = []
     header = f"{'tp':>3} {'rate':>6} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} "
     header += f"{'tpot p99':>9} {'goodput':>8} {'tok/s':>8} {'blocks':>8}"
     print(header)
     for tp in map(int, _TP.value):
-        ji.distributed.tp_grid(cfg, tp)  # refuses a degree the heads cannot take
         nb = _num_blocks(cfg, tp)
         config = ji.EngineConfig(
             block_size=_BLOCK, num_blocks=nb, max_num_seqs=_MAX_SEQS.value,
@@ -81,15 +86,13 @@ def main(argv):
                 f"{s.tpot.p99:>9.4f} {s.goodput:>8.2f} {s.output_throughput:>8.0f} {nb:>8}"
             )
     if _WORKDIR.value:
-        os.makedirs(_WORKDIR.value, exist_ok=True)
         assumptions = dict(
             hardware=H200.__dict__, preset=_PRESET.value, prompt_len=_PROMPT_LEN.value,
             output_len=_OUTPUT_LEN.value, num_requests=_NUM_REQUESTS.value,
             slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), hbm_gib=_HBM_GIB.value,
             kv_fraction=_KV_FRACTION.value, collectives="not priced", deployment="colocated",
         )  # fmt: skip
-        with open(os.path.join(_WORKDIR.value, "results.json"), "w") as f:
-            json.dump(dict(assumptions=assumptions, rows=rows), f, indent=2)
+        common.write_results(_WORKDIR.value, dict(assumptions=assumptions, rows=rows))
 
 
 if __name__ == "__main__":

@@ -32,29 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import platform
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+import jax
+import numpy as np
 from absl import app, flags, logging
+from tqdm import tqdm
 
-# The checkout root: `experiments.configs` is never installed, and jaxinfer may not be.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import jaxinfer as ji  # noqa: E402
-from experiments import flag_checks  # noqa: E402
-from jaxinfer import data  # noqa: E402
-from jaxinfer.speculative import (  # noqa: E402
+import jaxinfer as ji
+from experiments import common, flag_checks
+from jaxinfer import data
+from jaxinfer.speculative import (
     complete_alpha,
     estimate_alpha,
     expected_tokens_per_cycle,
@@ -67,6 +59,7 @@ from jaxinfer.speculative import (  # noqa: E402
 )
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Output directory.")
+_CONFIG = common.config_flag()
 _QUICK = flags.DEFINE_bool(
     "quick", False, "A ~1-2 minute subset: batch 1, γ {2, 4}, 32 tokens, 2 repeats."
 )
@@ -458,11 +451,10 @@ def _table(rows, plain, hf, note) -> str:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     bc = _resolve()
     workdir = _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(bc), f, indent=2)
+    common.save_config(workdir, resolved=dataclasses.asdict(bc))
     target, draft, target_dir, draft_dir, note = _load_models()
     prompts = _prompts(bc, max(bc.batch_sizes))
     t0 = time.perf_counter()
@@ -492,8 +484,7 @@ def main(argv):
         "speculative": rows,
         "transformers": hf,
     }
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    common.write_results(workdir, result)
     table = _table(rows, plain, hf, note)
     with open(os.path.join(workdir, "table.md"), "w") as f:
         f.write(table)

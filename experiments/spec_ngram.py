@@ -23,17 +23,12 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
-from jaxinfer import data
-
-try:
-    from experiments import common, flag_checks
-except ImportError:  # run as `python experiments/X.py`: experiments/ itself is on sys.path
-    import common
-    import flag_checks
+from experiments import common, flag_checks
+from jaxinfer import data, memory
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "A ji.models name or a checkpoint path.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_ngram", "Output directory.")
-_CONFIG = flags.DEFINE_string("config", None, "Rerun a saved <workdir>/config.json.")
+_CONFIG = common.config_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "gamma 4, batch 1 and 8, 2 repeats, 64 tokens.")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6"], "Drafted tokens per cycle.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
@@ -62,16 +57,17 @@ def test_prompts(tok, n: int, length: int, seed: int) -> list[list[int]]:
 
 def main(argv):
     del argv
-    if _CONFIG.value:
-        common.apply_config(_CONFIG.value)
+    common.apply_config(_CONFIG.value)
     quick = _QUICK.value
     gammas = [4] if quick else [int(g) for g in _GAMMAS.value]
     batches = [int(b) for b in _BATCH_SIZES.value]
     n_new = 64 if quick else _MAX_TOKENS.value
     repeats = 2 if quick else _REPEATS.value
-    common.save_config(_WORKDIR.value)
+    path = common.resolve_model(_MODEL.value)
+    common.save_config(_WORKDIR.value, resolved={"model": path})
     load0, t0 = common.load_average(), time.perf_counter()
-    cfg, params, path = common.load_model(_MODEL.value)
+    cfg, params, path = common.load_model(path)
+    nbytes = memory.tree_bytes(params)  # the target's weights, read once a step or a cycle
     tok = ji.load_tokenizer(path)
     target = (cfg, params)
     sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
@@ -92,11 +88,13 @@ def main(argv):
                 t_spec += common.times(run_spec, 1)
             acc = sum(s.num_accepted for s in spec) / max(sum(s.num_proposed for s in spec), 1)
             cycles = sum(s.num_cycles for s in spec)
+            passes = 1 + max(s.num_cycles for s in spec)  # prefill, then one pass a cycle
+            tp, ts = statistics.median(t_plain), statistics.median(t_spec)
             row = {
                 "batch": b, "gamma": g, "token_identical": same,
-                "plain_tok_s": b * n_new / statistics.median(t_plain),
-                "spec_tok_s": b * n_new / statistics.median(t_spec),
-                "speedup": statistics.median(t_plain) / statistics.median(t_spec),
+                "plain_tok_s": b * n_new / tp, "spec_tok_s": b * n_new / ts, "speedup": tp / ts,
+                "plain_gb_s": common.gb_per_s(nbytes, n_new, tp),
+                "spec_gb_s": common.gb_per_s(nbytes, passes, ts),
                 "plain_s": common.spread(t_plain), "spec_s": common.spread(t_spec),
                 "acceptance": acc, "tokens_per_cycle": b * (n_new - 1) / max(cycles, 1),
             }  # fmt: skip
@@ -107,25 +105,26 @@ def main(argv):
         "checkpoint": os.path.basename(path),
         "prompt_len": _PROMPT_LEN.value,
         "new_tokens": n_new,
+        "weight_bytes": nbytes,
         "repeats": repeats,
         "rows": rows,
         "seconds": time.perf_counter() - t0,
         "load_average": [load0, common.load_average()],
         "machine": f"{os.cpu_count()} cores",
     }
-    common.write_json(_WORKDIR.value, "results.json", res)
     lines = [
         f"Model `{res['model']}`, n-gram drafter, greedy, {res['prompt_len']}-token test-split "
         f"prompts, {n_new} new tokens, median of {repeats} interleaved runs; load average "
         f"{res['load_average'][0]:.1f} -> {res['load_average'][1]:.1f}; {res['seconds']:.0f} s.",
         "",
-        "| batch | γ | plain tok/s | n-gram tok/s | speedup | acceptance | tokens/cycle "
-        "| identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | γ | plain tok/s | plain GB/s | n-gram tok/s | n-gram GB/s | speedup "
+        "| acceptance | tokens/cycle | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['gamma']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+            f"| {r['batch']} | {r['gamma']} | {r['plain_tok_s']:.1f} | {r['plain_gb_s']:.2f} | "
+            f"{r['spec_tok_s']:.1f} | {r['spec_gb_s']:.2f} | "
             f"{r['speedup']:.2f}x | {100 * r['acceptance']:.0f}% | {r['tokens_per_cycle']:.2f} | "
             f"{'yes' if r['token_identical'] else 'NO'} |"
         )
@@ -133,6 +132,7 @@ def main(argv):
     with open(os.path.join(_WORKDIR.value, "spec_ngram.md"), "w") as f:
         f.write(md)
     print(md)
+    common.write_results(_WORKDIR.value, res)
 
 
 if __name__ == "__main__":

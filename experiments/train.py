@@ -20,25 +20,28 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 from absl import app, flags, logging
 
-# The checkout root: `experiments.configs` is never installed, and jaxinfer may not be.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from experiments import common, flag_checks
+from experiments.configs import NAMES, get_config
+from jaxinfer import data
+from jaxinfer import train as jtrain
+from jaxinfer.checkpoint import load_checkpoint, save_checkpoint
 
-import jax.numpy as jnp  # noqa: E402
-
-from experiments import flag_checks  # noqa: E402
-from experiments.configs import NAMES, get_config  # noqa: E402
-from jaxinfer import data  # noqa: E402
-from jaxinfer import train as jtrain  # noqa: E402
-from jaxinfer.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-
-_CONFIG = flags.DEFINE_enum("config", "target", NAMES, "Which experiments/configs setting.")
+_CONFIG = flags.DEFINE_string(
+    "config",
+    "target",
+    f"Which experiments/configs setting ({', '.join(NAMES)}), or a saved <workdir>/config.json "
+    "to rerun (its flags, with the flags given here on top).",
+)
+flags.register_validator(
+    "config",
+    lambda v: v in NAMES or str(v).endswith(".json"),
+    f"--config must be one of {', '.join(NAMES)} or a path to a saved config.json",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (checkpoints, curves, config).")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", "", "Write the final HF directory here.")
 _TEACHER = flags.DEFINE_string("teacher", "", "HF dir of the distillation teacher; empty: LM loss.")
@@ -98,11 +101,14 @@ def _write_config(workdir: Path, resolved: dict) -> None:
 
 def main(argv):
     del argv
+    if _CONFIG.value not in NAMES:  # a saved run: its setting name and flags
+        common.apply_config(_CONFIG.value, skip=("workdir",), take=("config",))
     tc = _resolved_config()
     workdir = Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
     resolved = {"train": tc.to_json(), "teacher": _TEACHER.value or None}
     _write_config(workdir, resolved)
+    common.save_config(str(workdir), resolved=resolved)
 
     tok = data.load_tokenizer()
     stream = data.token_stream("train", tok, cache_dir=workdir)  # [N]
@@ -139,7 +145,7 @@ def main(argv):
         "tokens_per_s_this_session": result.tokens_per_s,
         "wall_s_this_session": result.wall_s,
     }
-    (workdir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    common.write_results(str(workdir), summary)
     print(json.dumps(summary, indent=2))
 
     if _EXPORT_DIR.value and int(result.state.step) == tc.steps:

@@ -13,6 +13,10 @@ layout, not of an ideal bit count. Embeddings and the LM head stay in the model 
 KV formats: "fp32", "bf16", "fp16", "int8", "fp8" (the last two with a float32 scale per
 (token, head) for K and for V).
 
+`memory_table` builds the table of every model x weight format x KV format, with the
+sequences that fit per GPU and length, and `markdown_table` prints it; `tree_bytes` and
+`bits_per_weight` measure a real params pytree the same way.
+
 Sizes: GB = 1e9 bytes, GiB = 2**30 bytes. A 7e9-parameter model in BF16 is 14.0 GB = 13.04 GiB;
 llama2-7b has 6.74e9 parameters: 13.48 GB = 12.55 GiB.
 """
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from jaxinfer.cache.kv_formats import kv_bytes_per_token as _kv_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import LINEAR_NAMES, param_shapes
-from jaxinfer.qtensor import resolve_group_size
+from jaxinfer.qtensor import Int4Weight, Int8Weight, resolve_group_size
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 
 GB = 10**9
@@ -105,6 +109,37 @@ def quantized_param_shapes(cfg: ModelConfig, weight_format: str, lm_head: bool =
 def tree_bytes(tree) -> int:
     """Total bytes of the array (or ShapeDtypeStruct) leaves of a pytree."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def bits_per_weight(params: dict) -> dict:
+    """Bits per weight of the decoder linears, as stored and as an ideal packing would need.
+
+    Stored: 8 · nbytes of every leaf of the linears (codes in 4-bit containers, scales, int32
+    zero points, act-order perm). Ideal: `bits` per code plus, per group, one scale in its stored
+    dtype and one zero point of `bits` bits (int8: one float32 scale per output channel).
+
+    Args:
+      params: a params pytree, dense or with `Int4Weight` / `Int8Weight` linears.
+
+    Returns:
+      {"weights": count, "bpw_stored": float, "bpw_ideal": float}.
+    """
+    n, stored, ideal = 0, 0, 0
+    for name in LINEAR_NAMES:
+        w = params["layers"][name]
+        if isinstance(w, Int4Weight):
+            k = math.prod(w.packed.shape[:-2]) * w.shape[0] * w.shape[1]  # L · in · out
+            groups = w.scales.size  # [(L,) in/G, out]
+            ideal += k * w.bits + groups * (8 * w.scales.dtype.itemsize + w.bits)
+        elif isinstance(w, Int8Weight):
+            k = w.q.size
+            ideal += 8 * k + 8 * tree_bytes(w.scales)
+        else:
+            k = w.size
+            ideal += 8 * w.size * w.dtype.itemsize
+        n += k
+        stored += 8 * tree_bytes(w)
+    return {"weights": n, "bpw_stored": stored / n, "bpw_ideal": ideal / n}
 
 
 def weight_bytes(cfg: ModelConfig, weight_format: str, lm_head: bool = False) -> int:
@@ -194,3 +229,71 @@ def memory_report(
         reserve_gib=reserve_gib,
         max_sequences=max(0, free // per_seq),
     )
+
+
+def memory_table(
+    models: dict[str, ModelConfig],
+    weight_formats: tuple[str, ...] = ("bf16", "w8", "w4g128", "w3g128"),
+    kv_formats: tuple[str, ...] = ("bf16", "int8", "fp8"),
+    *,
+    seq_lens: tuple[int, ...] = (4096,),
+    gpus: dict[str, float] | None = None,
+    reserve_gib: float = 2.0,
+    block_size: int = 16,
+) -> list[dict]:
+    """The memory table: one row per model x weight format x KV format (`memory_report`).
+
+    Args:
+      models: display name -> config, in row order.
+      weight_formats, kv_formats: see the module docstring.
+      seq_lens: tokens per sequence, one "fits" column per GPU and length.
+      gpus: column name -> GPU memory in GiB; default {"80 GiB": 80.0}.
+      reserve_gib, block_size: as `memory_report`.
+
+    Returns:
+      Rows {"model", "weight_format", "kv_format", "num_params", "weight_bytes", "weight_gb",
+      "weight_gib", "kv_bytes_per_token", "fits": {"<gpu> @ <seq_len>": sequences that fit}}.
+    """
+    gpus = {"80 GiB": 80.0} if gpus is None else gpus
+    if not models or not weight_formats or not kv_formats or not seq_lens or not gpus:
+        raise ValueError(
+            f"empty table: models={list(models)}, weight_formats={weight_formats}, "
+            f"kv_formats={kv_formats}, seq_lens={seq_lens}, gpus={gpus}"
+        )
+    rows = []
+    for model, cfg in models.items():
+        for wf in weight_formats:
+            for kv in kv_formats:
+                fits = {}
+                for gpu, gib in gpus.items():
+                    for n in seq_lens:
+                        r = memory_report(
+                            cfg, wf, kv, seq_len=n, gpu_gib=gib, reserve_gib=reserve_gib,
+                            block_size=block_size, model=model,
+                        )  # fmt: skip
+                        fits[f"{gpu} @ {n}"] = r.max_sequences
+                rows.append({
+                    "model": model, "weight_format": wf, "kv_format": kv,
+                    "num_params": r.num_params, "weight_bytes": r.weight_bytes,
+                    "weight_gb": r.weight_gb, "weight_gib": r.weight_gib,
+                    "kv_bytes_per_token": r.kv_bytes_per_token, "fits": fits,
+                })  # fmt: skip
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """`memory_table` rows as a markdown table (sequences that fit: one column per GPU, length)."""
+    fits = list(rows[0]["fits"])
+    lines = [
+        "| model | weights | KV | params | weights GB | weights GiB | KV bytes/token | "
+        + " | ".join(f"seqs {k}" for k in fits) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(fits),
+    ]  # fmt: skip
+    for r in rows:
+        cells = " | ".join(f"{r['fits'][k]:,}" for k in fits)
+        lines.append(
+            f"| {r['model']} | {r['weight_format']} | {r['kv_format']} | "
+            f"{r['num_params'] / 1e9:.3f} B | {r['weight_gb']:.3f} | {r['weight_gib']:.3f} | "
+            f"{r['kv_bytes_per_token']:,} | {cells} |"
+        )
+    return "\n".join(lines) + "\n"
