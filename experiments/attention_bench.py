@@ -1,8 +1,8 @@
 r"""Attention backends inside the model step, on engine-shaped batches: XLA path against oracle.
 
-    python experiments/attention_bench.py --workdir=runs/attention_bench
-    python experiments/attention_bench.py --backends=xla,reference,pallas   # on a GPU
-    python experiments/attention_bench.py --backends=xla --kv_formats=float,int8,fp8
+    python -m experiments.attention_bench --workdir=runs/attention_bench
+    python -m experiments.attention_bench --backends=xla,reference,pallas   # on a GPU
+    python -m experiments.attention_bench --backends=xla --kv_formats=float,int8,fp8
 
 Times one jitted `forward` step (cache donated, as the engine runs it) of the shipped target on
 batches shaped like the engine's: B = --num_seqs sequence rows and M = --max_blocks blocks per

@@ -6,8 +6,8 @@ README, trains the byte-level BPE tokenizer on the train split, saves it to
 `<assets_dir>/tokenizer/tokenizer.json`, and prints documents, bytes and tokens of every split.
 The same interpreter and flags give byte-identical files.
 
-    python experiments/build_corpus.py                      # rebuild the package assets
-    python experiments/build_corpus.py --assets_dir=/tmp/a --workdir=/tmp/w
+    python -m experiments.build_corpus                      # rebuild the package assets
+    python -m experiments.build_corpus --assets_dir=/tmp/a --workdir=/tmp/w
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ validation are read from the local standard library.
 The texts are Copyright (c) Python Software Foundation and distributed under the PSF License
 Agreement, reproduced in `LICENSE-PSF.txt` (the interpreter's own `LICENSE.txt`).
 
-Rebuilt by `python experiments/build_corpus.py` (vocabulary {vocab_size}).
+Rebuilt by `python -m experiments.build_corpus` (vocabulary {vocab_size}).
 """
 
 

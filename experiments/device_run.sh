@@ -22,10 +22,10 @@ py=$(command -v python3 || command -v python)
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-timeout 300 "$py" experiments/kernel_bench.py --workdir="$out/kernel_bench" \
+timeout 300 "$py" -m experiments.kernel_bench --workdir="$out/kernel_bench" \
   > "$out/kernel_bench.log" 2>&1
 echo "kernel_bench exit $?"
-timeout 120 "$py" experiments/attention_bench.py --backends=pallas,xla,reference \
+timeout 120 "$py" -m experiments.attention_bench --backends=pallas,xla,reference \
   --workdir="$out/attention_bench" > "$out/attention_bench.log" 2>&1
 echo "attention_bench exit $?"
 

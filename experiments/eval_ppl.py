@@ -5,8 +5,8 @@ windows of 256 (255 windows, 65,280 predicted tokens). Also reports the add-one 
 baseline (frequencies from the train split) on the same tokens and, with --draft, the draft's own
 figures plus its greedy agreement with, and KL from, the model.
 
-    python experiments/eval_ppl.py --workdir=/tmp/jaxinfer_runs/eval
-    python experiments/eval_ppl.py --model=jaxinfer/assets/models/target \
+    python -m experiments.eval_ppl --workdir=/tmp/jaxinfer_runs/eval
+    python -m experiments.eval_ppl --model=jaxinfer/assets/models/target \
         --draft=jaxinfer/assets/models/draft --workdir=/tmp/jaxinfer_runs/eval
 
 Writes `<workdir>/config.json` (the flags) and `<workdir>/results.json`, and prints a table.

@@ -1,7 +1,7 @@
 r"""Generates a completion of one prompt with a Hugging Face checkpoint directory.
 
-    python experiments/generate.py --model=/path/to/hf_dir --prompt="def fib(n):" --max_tokens=64
-    python experiments/generate.py --prompt="import os" --temperature=0.8 --top_p=0.95
+    python -m experiments.generate --model=/path/to/hf_dir --prompt="def fib(n):" --max_tokens=64
+    python -m experiments.generate --prompt="import os" --temperature=0.8 --top_p=0.95
 
 Without --model it uses the shipped target model (jaxinfer.models.path("target")).
 Prints the text, the token ids, tokens/s and the achieved weight bandwidth (GB/s: the weights

@@ -1,7 +1,7 @@
 r"""Pallas kernel benchmark: correctness first, then timings (GPU only).
 
-    python experiments/kernel_bench.py --workdir=/tmp/kernel_bench
-    python experiments/kernel_bench.py --workdir=/tmp/kb --int4_m=1,16 --contexts=4096 --batches=1
+    python -m experiments.kernel_bench --workdir=/tmp/kernel_bench
+    python -m experiments.kernel_bench --workdir=/tmp/kb --int4_m=1,16 --contexts=4096 --batches=1
 
 1. Correctness on a small grid: int4 / int8 / W8A8 matmuls and NaN-poisoned ragged paged
    attention (also reading one layer of a stacked cache, `layer=`) against their pure-jnp

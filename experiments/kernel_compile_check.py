@@ -3,7 +3,7 @@ r"""Compile every Pallas kernel configuration for an NVIDIA GPU, on a machine wi
     pip install "jax-cuda12-plugin==$(python -c 'import jax; print(jax.__version__)')" \
         "jax-cuda12-pjrt==$(python -c 'import jax; print(jax.__version__)')" \
         nvidia-cuda-nvcc-cu12 nvidia-cuda-nvdisasm
-    python experiments/kernel_compile_check.py --workdir=/tmp/kcc
+    python -m experiments.kernel_compile_check --workdir=/tmp/kcc
 
 Interpret mode (the tests) proves what a kernel computes; it says nothing about whether Triton can
 compile it or what the compiled kernel costs. This script answers that much without a GPU, for

@@ -1,7 +1,7 @@
 r"""Memory table: weight bytes, KV bytes per token and sequences that fit, from shapes only.
 
-    python experiments/memory_report.py --workdir=/tmp/jaxinfer_runs/memory
-    python experiments/memory_report.py --models=llama3-8b --weight_formats=bf16,w4g128 \
+    python -m experiments.memory_report --workdir=/tmp/jaxinfer_runs/memory
+    python -m experiments.memory_report --models=llama3-8b --weight_formats=bf16,w4g128 \
         --kv_formats=bf16,fp8 --seq_len=8192 --gpu_gib=141 --workdir=/tmp/jaxinfer_runs/memory
 
 Nothing is allocated: shapes come from `jax.eval_shape` (see `jaxinfer/memory.py`). Writes

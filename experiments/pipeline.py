@@ -1,8 +1,8 @@
 r"""The main job: the whole story on SmolLM2-135M-Instruct (default) or the tiny trained pair.
 
-    python experiments/pipeline.py --workdir=runs/pipeline                 # SmolLM2, quick
-    python experiments/pipeline.py --workdir=runs/tiny --model=target      # the tiny pair (fast)
-    python experiments/pipeline.py --workdir=runs/full --full               # the long settings
+    python -m experiments.pipeline --workdir=runs/pipeline                 # SmolLM2, quick
+    python -m experiments.pipeline --workdir=runs/tiny --model=target      # the tiny pair (fast)
+    python -m experiments.pipeline --workdir=runs/full --full               # the long settings
 
 --model is a name of `ji.models.names()` ("smollm2-135m", "target") or a checkpoint path.
 Stages, quality before any speed claim:

@@ -1,8 +1,8 @@
 r"""Quantization quality report: every method and format on one model, against its float original.
 
-    python experiments/quality_report.py --workdir=/tmp/jaxinfer_runs/quality
-    python experiments/quality_report.py --quick --workdir=/tmp/jaxinfer_runs/quality_quick
-    python experiments/quality_report.py --model=path/to/hf_dir --workdir=...
+    python -m experiments.quality_report --workdir=/tmp/jaxinfer_runs/quality
+    python -m experiments.quality_report --quick --workdir=/tmp/jaxinfer_runs/quality_quick
+    python -m experiments.quality_report --model=path/to/hf_dir --workdir=...
 
 Rows: the float32 baseline; RTN, GPTQ, GPTQ with act order and AWQ at w4g128, w3g128 and w4
 per channel (G = in); RTN int8 per channel (W8A16); naive W8A8 (the same int8 weights with

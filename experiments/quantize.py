@@ -1,8 +1,8 @@
 r"""Quantize a model (RTN, GPTQ, AWQ, SmoothQuant) layer by layer and save the artifact.
 
-    python experiments/quantize.py --method=gptq --bits=4 --group_size=128 --act_order \
+    python -m experiments.quantize --method=gptq --bits=4 --group_size=128 --act_order \
         --workdir=/tmp/jaxinfer_runs/gptq_w4g128
-    python experiments/quantize.py --model=path/to/hf_dir --method=smoothquant --bits=8 \
+    python -m experiments.quantize --model=path/to/hf_dir --method=smoothquant --bits=8 \
         --workdir=/tmp/jaxinfer_runs/sq
 
 Calibration sequences come from the shipped calibration split (`data.calibration_batch`).

@@ -1,7 +1,7 @@
 r"""Simulated serving of a 7B/8B preset on H200s: TTFT, TPOT and goodput against request rate.
 
-    python experiments/sim_h200.py --workdir=runs/sim_h200
-    python experiments/sim_h200.py --preset=llama3-8b --tp=1,2,4,8 --rates=2,8,32
+    python -m experiments.sim_h200 --workdir=runs/sim_h200
+    python -m experiments.sim_h200 --preset=llama3-8b --tp=1,2,4,8 --rates=2,8,32
 
 No device is used: `jaxinfer.engine.sim.Simulator` runs the engine's own scheduler and block
 allocator on a virtual clock, each step priced by `RooflineStepTime` (989 dense bf16 TFLOP/s,

@@ -1,8 +1,8 @@
 r"""Speculative decoding with the n-gram (prompt-lookup) drafter on any model, vs plain decoding.
 
-    python experiments/spec_ngram.py --workdir=runs/spec_ngram --quick          # SmolLM2, ~2 min
-    python experiments/spec_ngram.py --workdir=runs/spec_ngram --gammas=2,4,6 --batch_sizes=1,8
-    python experiments/spec_ngram.py --config=runs/spec_ngram/config.json --workdir=runs/again
+    python -m experiments.spec_ngram --workdir=runs/spec_ngram --quick          # SmolLM2, ~2 min
+    python -m experiments.spec_ngram --workdir=runs/spec_ngram --gammas=2,4,6 --batch_sizes=1,8
+    python -m experiments.spec_ngram --config=runs/spec_ngram/config.json --workdir=runs/again
 
 experiments/spec_bench.py needs a draft model with the target's vocabulary; no learned drafter
 exists for SmolLM2 yet, so this bench runs `ji.speculative.generate(target, "ngram", ...)` only.

@@ -4,12 +4,12 @@ Random windows of the train split's token stream, AdamW with warm-up and cosine 
 validation on a fixed subset of the validation split, orbax checkpoints that resume exactly. The
 draft can be distilled from a trained target (`--teacher`) or trained as a plain LM.
 
-    python experiments/train.py --config=target --workdir=/tmp/jaxinfer_runs/target \
+    python -m experiments.train --config=target --workdir=/tmp/jaxinfer_runs/target \
         --export_dir=jaxinfer/assets/models/target
-    python experiments/train.py --config=draft --teacher=jaxinfer/assets/models/target \
+    python -m experiments.train --config=draft --teacher=jaxinfer/assets/models/target \
         --workdir=/tmp/jaxinfer_runs/draft --export_dir=jaxinfer/assets/models/draft
-    python experiments/train.py --config=draft --teacher= --workdir=/tmp/jaxinfer_runs/draft_lm
-    python experiments/train.py --config=tiny --workdir=/tmp/tiny --steps=20
+    python -m experiments.train --config=draft --teacher= --workdir=/tmp/jaxinfer_runs/draft_lm
+    python -m experiments.train --config=tiny --workdir=/tmp/tiny --steps=20
 
 Writes into --workdir: train_config.json (the resolved config), checkpoints/ (orbax),
 loss_curve.jsonl, loss_curve.png, results.json. Re-running with the same --workdir resumes from

@@ -256,7 +256,7 @@ def read_shipped_split(name: str, data_dir: str | os.PathLike | None = None) -> 
     if not path.is_file():
         raise ValueError(
             f"shipped split {name!r} not found at {str(path)!r}; "
-            "build it with `python experiments/build_corpus.py`"
+            "build it with `python -m experiments.build_corpus`"
         )
     payload = json.loads(lzma.decompress(path.read_bytes()).decode("utf-8"))
     if payload.get("format") != SHIPPED_FORMAT or payload.get("split") != name:

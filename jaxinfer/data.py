@@ -177,7 +177,7 @@ def load_tokenizer() -> Tokenizer:
     if not TOKENIZER_PATH.is_file():
         raise ValueError(
             f"shipped tokenizer not found at {str(TOKENIZER_PATH)!r}; "
-            "build it with `python experiments/build_corpus.py`"
+            "build it with `python -m experiments.build_corpus`"
         )
     tokenizer = Tokenizer.from_file(str(TOKENIZER_PATH))
     _check_specials(tokenizer)

@@ -98,3 +98,45 @@ def test_bad_formats(bad):
         memory.parse_weight_format(bad)
     with pytest.raises(ValueError, match="KV format 'int4'"):
         memory.kv_bytes_per_token(LLAMA2, "int4")
+
+
+@pytest.mark.parametrize(
+    "fmt, stored, ideal",
+    [
+        ("bf16", 16.0, 16.0),
+        ("w4g128", 4 + (16 + 32) / 128, 4 + (16 + 4) / 128),  # bf16 scale, int32 zero / G
+        ("w3g128", 4 + (16 + 32) / 128, 3 + (16 + 3) / 128),  # 3-bit codes in 4-bit containers
+    ],
+)
+def test_bits_per_weight_of_the_linears(fmt, stored, ideal):
+    cfg = PRESETS["llama2-7b"]  # bf16; abstract params: nothing is allocated
+    got = memory.bits_per_weight(memory.quantized_param_shapes(cfg, fmt))
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert got["weights"] == cfg.num_layers * (4 * h * h + 3 * h * i)  # q, k, v, o; gate, up, down
+    assert got["bpw_stored"] == pytest.approx(stored, rel=1e-12)
+    assert got["bpw_ideal"] == pytest.approx(ideal, rel=1e-12)
+
+
+def test_memory_table_is_memory_report_per_cell():
+    models = {"a": PRESETS["llama3-8b"], "b": PRESETS["mistral-7b"]}
+    gpus = {"80 GB": 80.0, "H200": 141.0}
+    rows = memory.memory_table(models, ("bf16", "w4g128"), ("bf16", "int8", "fp8"),
+                               seq_lens=(2048, 8192), gpus=gpus, reserve_gib=3.0)  # fmt: skip
+    assert [(r["model"], r["weight_format"], r["kv_format"]) for r in rows] == [
+        (m, w, k) for m in "ab" for w in ("bf16", "w4g128") for k in ("bf16", "int8", "fp8")
+    ]
+    for r in rows:
+        assert list(r["fits"]) == ["80 GB @ 2048", "80 GB @ 8192", "H200 @ 2048", "H200 @ 8192"]
+        for gpu, gib in gpus.items():
+            for n in (2048, 8192):
+                ref = memory.memory_report(
+                    models[r["model"]], r["weight_format"], r["kv_format"], seq_len=n,
+                    gpu_gib=gib, reserve_gib=3.0,
+                )  # fmt: skip
+                assert r["fits"][f"{gpu} @ {n}"] == ref.max_sequences
+                assert r["weight_bytes"] == ref.weight_bytes
+    md = memory.markdown_table(rows).splitlines()
+    assert len(md) == 2 + len(rows) and md[0].endswith("| seqs H200 @ 2048 | seqs H200 @ 8192 |")
+    assert all(line.count("|") == md[0].count("|") for line in md)
+    with pytest.raises(ValueError, match="empty table"):
+        memory.memory_table(models, (), ("bf16",))

@@ -55,12 +55,12 @@ def test_defaults_are_smollm2_and_quick():
     assert default["pretrained_budget"] < default["tiny_budget"] < ji.eval.EVAL_TOKENS
     pre, tiny = default["commands"][""], default["commands"]["1"]
     # SmolLM2 stages: the sweep with group sizes it can take, the n-gram drafter; all --quick.
-    assert pre["quantization"][0].endswith("quant_sweep.py")
-    assert pre["speculative"][0].endswith("spec_ngram.py") and "--model=T" in pre["speculative"]
+    assert pre["quantization"][:2] == ["-m", "experiments.quant_sweep"]
+    assert pre["speculative"][1] == "experiments.spec_ngram" and "--model=T" in pre["speculative"]
     if "smollm2-135m" in ji.models.names():
         assert "--models=smollm2-135m,llama3-8b,qwen2.5-7b" in pre["memory"]
-    assert tiny["quantization"][0].endswith("quality_report.py")
-    assert tiny["speculative"][0].endswith("spec_bench.py") and "--draft=D" in tiny["speculative"]
+    assert tiny["quantization"][:2] == ["-m", "experiments.quality_report"]
+    assert tiny["speculative"][1] == "experiments.spec_bench" and "--draft=D" in tiny["speculative"]
     for cmds in (pre, tiny):
         for stage, cmd in cmds.items():
             assert ("--quick" in cmd) == (stage != "memory"), (stage, cmd)
@@ -70,7 +70,7 @@ def test_defaults_are_smollm2_and_quick():
 @pytest.mark.skipif("target" not in ji.models.names(), reason="needs the shipped tiny pair")
 def test_tiny_pair_quality_stage_runs(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "experiments/pipeline.py", "--model=target", "--stages=quality",
+        [sys.executable, "-m", "experiments.pipeline", "--model=target", "--stages=quality",
          "--eval_tokens=1025", "--max_tokens=8", f"--workdir={tmp_path}"],
         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600,
     )  # fmt: skip
