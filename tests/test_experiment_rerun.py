@@ -163,3 +163,46 @@ def test_save_config_removes_stale_results(tmp_path):
 
 def test_gb_per_s():
     assert common.gb_per_s(2 * 10**9, 10, 4.0) == 5.0  # 10 reads of 2 GB in 4 s
+
+
+_RESOLVE = """
+import dataclasses, json, sys
+from absl import flags
+from experiments import common
+import importlib
+mod = importlib.import_module("experiments." + sys.argv[1])
+first, again, workdir = json.loads(sys.argv[2])
+resolve = lambda: dataclasses.asdict(mod._resolve() if sys.argv[1] == "spec_bench"
+                                     else mod.resolve_config("m"))
+flags.FLAGS(["prog", *first])
+before = resolve()
+common.save_config(workdir, script=sys.argv[1])
+flags.FLAGS.unparse_flags()
+flags.FLAGS(["prog", *again])
+common.apply_config(flags.FLAGS.config, script=sys.argv[1])
+print("RESULT" + json.dumps([before, resolve()]))
+"""
+
+
+@pytest.mark.parametrize(
+    "script, first",
+    [
+        ("spec_bench", ["--quick", "--drafters=ngram", "--gammas=3"]),
+        ("serve_bench", ["--quick", "--rates=", "--max_len=96"]),
+    ],
+)
+def test_quick_defaults_resolve_the_same_on_a_rerun(script, first, tmp_path):
+    """--quick fills the flags not given: a rerun must not count the saved values as given."""
+    again = [f"--config={tmp_path}/config.json", f"--workdir={tmp_path}/again"]
+    argv = json.dumps([first + [f"--workdir={tmp_path}"], again, str(tmp_path)])
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, script, argv],
+        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    before, after = json.loads(lines[-1][len("RESULT") :])
+    assert before == after
+    quick = {"spec_bench": ("batch_sizes", [1]), "serve_bench": ("rate_fractions", [0.5, 2.0])}
+    quick = quick[script]
+    assert before[quick[0]] == quick[1]  # a --quick value of a flag not given
