@@ -42,7 +42,7 @@ from jaxinfer import memory, quant
 
 _MODEL = flags.DEFINE_string("model", None, "A ji.models name or path; default: random bench-5m.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
-_CONFIG = flags.DEFINE_string("config", None, "Rerun a saved <workdir>/config.json.")
+_CONFIG = common.config_flag()
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 200, "Prompt tokens.", lower_bound=1)
 _NEW_TOKENS = flags.DEFINE_integer(

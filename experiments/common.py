@@ -153,12 +153,18 @@ def config_flag() -> flags.FlagHolder:
     """Defines --config (a saved <workdir>/config.json to rerun), once for all imported scripts."""
     if "config" in flags.FLAGS:  # a script importing another (bench_serve imports serve_bench)
         return flags.FlagHolder(flags.FLAGS, flags.FLAGS["config"])
-    return flags.DEFINE_string(
+    holder = flags.DEFINE_string(
         "config",
         None,
         "Rerun a saved <workdir>/config.json: its flags, with the flags given here on top.",
         module_name=__name__,
     )
+    flags.register_validator(
+        "config",
+        lambda v: v is None or os.path.isfile(v),
+        "--config must name an existing config.json (of a run's --workdir)",
+    )
+    return holder
 
 
 def script_name() -> str:

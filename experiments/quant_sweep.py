@@ -32,7 +32,7 @@ from jaxinfer import quant
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "A ji.models name or a checkpoint path.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quant_sweep", "Output directory.")
-_CONFIG = flags.DEFINE_string("config", None, "Rerun a saved <workdir>/config.json.")
+_CONFIG = common.config_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "The short row set and budget (see the docstring).")
 _GROUPS = flags.DEFINE_list("group_sizes", ["64", "32"], "w4 group sizes (per channel is added).")
 _EVAL_TOKENS = flags.DEFINE_integer(

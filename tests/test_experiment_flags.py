@@ -102,7 +102,28 @@ CASES = {
     "kernel_compile_check": [([], None), (["--arch=sm_90"], "MAJOR.MINOR")],
     "train": [([], None), (["--kd_weight=1.5"], "<= 1.0"), (["--peak_lr=0"], "> 0")],
     "build_corpus": [([], None), (["--min_frequency=0"], "min_frequency")],
+    "eval_ppl": [([], None), (["--seq_len=1"], ">= 2")],
+    "sim_h200": [([], None), (["--tp=0"], ">= 1"), (["--rates=0"], "> 0")],
+    "quality_report": [([], None), (["--calib_sequences=0"], "not a positive integer")],
+    "bench_serve": [([], None), (["--rates=-1"], "> 0")],
 }
+# Every script reruns a saved run: --config names an existing file, checked at parse time
+# (train's --config also takes a setting name).
+_MISSING = "must name an existing config.json"
+for _script, _cases in CASES.items():
+    _cases.append((["--config=no/such/config.json"], None if _script == "train" else _MISSING))
+# Not experiments with a workdir: the server, and a summary of an engine's cycle log.
+NOT_RERUN = {"serve", "engine_cycles"}
+
+
+def test_every_script_is_covered():
+    scripts = {
+        name[: -len(".py")]
+        for name in os.listdir(os.path.join(ROOT, "experiments"))
+        if name.endswith(".py")
+        and "app.run(main)" in open(os.path.join(ROOT, "experiments", name)).read()
+    }
+    assert scripts - NOT_RERUN == set(CASES), scripts ^ set(CASES)
 
 
 def _parse(module: str, argvs: list[list[str]]) -> list[str | None]:

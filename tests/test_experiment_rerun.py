@@ -112,7 +112,7 @@ def test_a_bad_or_foreign_config_stops_before_any_write(tmp_path):
     proc = _run("memory_report", f"--config={tmp_path}/bad.json", f"--workdir={tmp_path}/y")
     assert proc.returncode != 0 and "seq_len='long'" in proc.stderr
     proc = _run("memory_report", f"--config={tmp_path}/none.json", f"--workdir={tmp_path}/y")
-    assert proc.returncode != 0 and "no such file" in proc.stderr
+    assert proc.returncode != 0 and "must name an existing config.json" in proc.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
