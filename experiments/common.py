@@ -17,10 +17,11 @@ config is written (and the old results removed) before the run, the results atom
 it, so a run that fails leaves its config.json and no results.json. config.json holds
 {"script", "flags"} (the flags of the script's modules in experiments/), "given" (those given
 on the command line: a --quick that fills the flags not given fills the same ones on a rerun)
-and, where the script resolves them into a typed config, "resolved". A rerun, `--config=<workdir>/config.json`, sets
-the saved flags; a flag also given on the command line keeps the command line's value (so a
-rerun can change one setting, say a model path on another machine), and the new config.json
-records what ran. --workdir and --config themselves are never taken from a saved config.
+and, where the script resolves them into a typed config, "resolved". A rerun,
+`--config=<workdir>/config.json`, sets the saved flags; a flag also given on the command line
+keeps the command line's value (so a rerun can change one setting, say a model path on another
+machine), and the new config.json records what ran. --workdir and --config themselves are never
+taken from a saved config.
 
 The shipped splits are stored as text (`data.load_split`), so any tokenizer reads them. The tiny
 models' tokenizer has `<|bos|>` / `<|eos|>`, which `data.tokenize_documents` looks up by

@@ -522,7 +522,7 @@ def memory_table(cfg: ModelConfig, name: str = "target") -> str:
         "the GPU's memory (GiB) beside the weights and a 2 GiB reserve, KV blocks of 16 tokens.",
         "",
     ]
-    return "\n".join(lines) + memory.markdown_table(rows)
+    return "\n".join(lines) + "\n" + memory.markdown_table(rows)
 
 
 # --------------------------------------------------------------------------------------------
