@@ -1,7 +1,7 @@
 """`EngineConfig(mesh=...)` cases, run on 4 fake CPU devices by `test_engine_mesh.py`.
 
 Not collected by the suite (jax must see the device-count flag before it starts). Run alone:
-`XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m pytest tests/distributed/_engine_cases.py`
+`python -m pytest tests/distributed/_engine_cases.py` (it sets 4 devices unless XLA_FLAGS is set).
 
 The reference is the same engine on one device, in the same process: a workload whose pool is
 small enough to preempt and whose prompts share prefixes (asserted), greedy and seeded sampling,
