@@ -25,7 +25,7 @@ import functools
 import jax
 
 from jaxinfer.cache.paged import PagedKVCache, init_cache
-from jaxinfer.distributed.sharding import prepare, shard_cache
+from jaxinfer.distributed.sharding import prepare, shard_cache, tp_mesh
 
 
 def place_engine(engine) -> jax.sharding.Mesh | None:
@@ -44,11 +44,13 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
     """
     cfg, config = engine.cfg, engine.config
     engine.params, mesh = prepare(cfg, engine.params, config.mesh)
+    # A one-device mesh (a disaggregated side on its own device) still places the cache there.
+    layout = mesh if mesh is not None or config.mesh is None else tp_mesh(cfg, config.mesh)
     cache = init_cache(
         cfg, config.num_blocks, config.block_size, dtype=config.kv_dtype,
         kv_format=config.kv_format,
     )  # fmt: skip
-    engine.cache = cache if mesh is None else shard_cache(cfg, cache, mesh)
+    engine.cache = cache if layout is None else shard_cache(cfg, cache, layout)
     if mesh is None:
         return None
     spec = config.speculative
