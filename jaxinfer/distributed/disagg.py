@@ -16,8 +16,9 @@ the load. Once loaded they are registered in the decode prefix cache (`mark_comp
 request is added to the decode engine as prompt + [t0] with `max_tokens - 1`: its admission finds
 every full block cached, so it computes only the prompt's partial last block and t0 (at most S
 tokens; the allocator keys full blocks only) and samples position P + 1 with the request's own
-key, `fold_in(key(seed), P + 1)`, exactly as a colocated engine would. The staging hold keeps
-the blocks from eviction until the decode request holds them itself. An abort at any point frees
+key, `fold_in(key(seed), P + 1)`, exactly as a colocated engine would. The staging hold ends
+when the request is queued (the blocks are then the most recently used cached ones; were they
+evicted before its admission, it would recompute its prompt: slower, same tokens). An abort frees
 what each side holds: the prefill engine's request, the connector's copy and load, the staging
 blocks, the decode engine's request.
 
@@ -166,12 +167,12 @@ class DecodeSide:
         self.allocator = engine.allocator
         self._waiting: list[Prefilled] = []  # saved, no blocks allocated yet
         self._loading: dict[Hashable, tuple[Prefilled, int, int]] = {}  # info, stage id, skip
-        self._staged: dict[Hashable, int] = {}  # added to the engine, staging hold kept
         self._first: dict[Hashable, int] = {}  # t0 to emit with the first decode output
         self._stage_ids = itertools.count(-1, -1)  # negative: never a scheduler seq id
         self.loaded_at: dict[Hashable, float] = {}
         self.first_token_at: dict[Hashable, float] = {}
         self.blocks_skipped = 0  # full blocks found in the decode prefix cache, not moved
+        self.skipped: dict[Hashable, int] = {}  # per request
 
     def start_loads(self) -> None:
         """Allocates blocks for newly saved requests (FCFS) and starts their loads."""
@@ -187,6 +188,7 @@ class DecodeSide:
                 break  # retried next step, once blocks are free
             self._waiting.pop(0)
             self.blocks_skipped += skip
+            self.skipped[info.request_id] = skip
             self.connector.start_load(info.request_id, skip)
             self._loading[info.request_id] = (info, stage, skip)
 
@@ -205,13 +207,17 @@ class DecodeSide:
             del self._loading[rid]
             sp = SamplingParams(**{**info.sampling, "max_tokens": info.sampling["max_tokens"] - 1})
             self.engine.add_request([*info.prompt, info.first_token], sp, rid)
-            self._staged[rid] = stage
+            # The hold ends here: the blocks stay in the prefix cache, most recently used, so
+            # the request's admission (normally the next decode step) finds them. Keeping the
+            # hold until then could deadlock a small pool: held blocks of requests queued
+            # behind a preempted one that needs them.
+            self.allocator.free(stage)
             self._first[rid] = info.first_token
             self.loaded_at[rid] = self.clock()
         return events
 
     def step(self) -> list[Event]:
-        """One decode step; the staging holds of admitted requests are dropped after it."""
+        """One decode step; t0 goes out with a request's first decode output."""
         if not self.engine.has_unfinished():
             return []
         outs = self.engine.step()
@@ -223,20 +229,12 @@ class DecodeSide:
                 new = [self._first.pop(o.request_id)] + new
                 self.first_token_at[o.request_id] = now
             events.append(Event(o.request_id, new, o.request_finished, o.finish_reason))
-        scheduler = self.engine.scheduler
-        for rid, stage in list(self._staged.items()):
-            seqs = scheduler.sequences(rid)
-            if not seqs or self.allocator.has_seq(seqs[0].seq_id):  # holds its blocks, or done
-                self.allocator.free(stage)
-                del self._staged[rid]
         return events
 
     def abort(self, rid: Hashable) -> None:
         self._waiting = [i for i in self._waiting if i.request_id != rid]
         if rid in self._loading:
             self.allocator.free(self._loading.pop(rid)[1])
-        if rid in self._staged:
-            self.allocator.free(self._staged.pop(rid))
         self._first.pop(rid, None)
         self.connector.request_finished(rid)
         self.engine.abort(rid)
