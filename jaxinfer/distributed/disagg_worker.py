@@ -63,6 +63,11 @@ def run_prefill(spec: dict, address: str, preempt: int, timeout: float) -> dict:
     )
 
 
+def _itls(engine: Engine, rid) -> list[float]:
+    rec = engine.metrics_collector.requests.get(rid)
+    return [] if rec is None else rec.itls
+
+
 def run_decode(spec: dict, address: str, abort, timeout: float) -> dict:
     engine = _engine(spec, "decode")
     conn = SocketConnector.connect(address, jax.tree.map(lambda x: x.sharding, engine.cache))
@@ -113,6 +118,7 @@ def run_decode(spec: dict, address: str, abort, timeout: float) -> dict:
         used_blocks=engine.allocator.num_used_blocks,
         pending=conn.num_pending(),
         aborted_used_blocks=aborted_at_blocks,
+        itls=[_itls(engine, i) for i in range(n)],  # decode-side seconds between events
     )
 
 

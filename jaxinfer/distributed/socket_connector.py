@@ -135,13 +135,13 @@ class SocketConnector(KVConnector):
                         self._dropped.discard(header["rid"])  # aborted during the transfer
                     elif kind == "blocks":
                         self._blocks[header["rid"]] = (header, payload)
-                    elif kind == "load":
-                        self._answer_load(header["rid"], header["skip"])
                     elif kind == "finished":
                         self._saved.pop(header["rid"], None)
                     elif kind == "bye":
                         self.bye = True
                     self._cv.notify_all()
+                if kind == "load":  # answered outside the lock: the send may take a while
+                    self._answer_load(header["rid"], header["skip"])
                 if kind == "bye":
                     return
         except (ConnectionError, OSError) as e:
@@ -151,7 +151,12 @@ class SocketConnector(KVConnector):
                 self._cv.notify_all()
 
     def _answer_load(self, key: str, skip: int) -> None:
-        info, arrays = self._saved[key]
+        with self._cv:
+            saved = self._saved.get(key)
+        if saved is None:  # aborted on the prefill side meanwhile
+            _send(self.sock, self._lock, {"type": "blocks", "rid": key, "missing": True})
+            return
+        info, arrays = saved
         parts = {n: np.ascontiguousarray(a[:, skip:]) for n, a in arrays.items()}
         meta = {n: [list(a.shape), str(a.dtype)] for n, a in parts.items()}
         _send(self.sock, self._lock, {"type": "blocks", "rid": key, "arrays": meta},
@@ -203,6 +208,9 @@ class SocketConnector(KVConnector):
             if self.error is not None:
                 raise self.error
             header, payload = self._blocks.pop(key)
+        if header.get("missing"):
+            self._loads.pop(key, None)
+            raise RuntimeError(f"the prefill side no longer holds the blocks of {request_id!r}")
         arrays, offset = {}, 0
         for name, (shape, dtype) in header["arrays"].items():
             a = np.frombuffer(payload, dtype, int(np.prod(shape)), offset).reshape(shape)

@@ -75,6 +75,7 @@ def serve(spec: dict, *, mesh: jax.sharding.Mesh | None, check_schedules: bool) 
         devices=len(jax.devices()),
         mesh=None if engine.mesh is None else dict(engine.mesh.shape),
         pid=os.getpid(),
+        itls=[engine.metrics_collector.requests[r].itls for r in rids],  # seconds between events
     )
 
 
