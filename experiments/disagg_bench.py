@@ -46,6 +46,7 @@ _DECODERS = flags.DEFINE_integer("decoders", 4, "Short requests that decode.")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 48, "Their output tokens.")
 _LONG = flags.DEFINE_integer("long_prompts", 4, "Long prompts arriving behind them.")
 _LONG_LEN = flags.DEFINE_integer("long_len", 256, "Their prompt tokens.")
+_PARTS = flags.DEFINE_list("parts", ["transfer", "interference"], "Which benchmarks to run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Measured rounds (after one warm-up), interleaved.")
 
 L, K, D, S = 30, 3, 64, 16  # SmolLM2-135M's cache shape
@@ -157,7 +158,7 @@ def main(argv):
     load0 = os.getloadavg()[0]
     target1 = jax.tree.map(lambda x: x.sharding, _pool(1, jax.devices()[1]))
     transfer = {"mesh": [], "socket": []}
-    for n in (int(b) for b in _BLOCKS.value):
+    for n in (int(b) for b in _BLOCKS.value if "transfer" in _PARTS.value):
         transfer["mesh"].append(_transfer(_mesh_pair, n, _REPEATS.value))
         transfer["socket"].append(
             _transfer(lambda: _socket_pair(target1, f"127.0.0.1:{free_port()}"), n, _REPEATS.value)
@@ -166,7 +167,7 @@ def main(argv):
         for r in rows:
             print(f"transfer {kind:6s} {r['blocks']:4d} blocks {r['bytes'] / 2**20:7.1f} MiB "
                   f"{r['seconds'] * 1e3:8.2f} ms  {r['gb_per_s']:6.2f} GB/s")  # fmt: skip
-    inter = _interference(workdir)
+    inter = _interference(workdir) if "interference" in _PARTS.value else {}
     for kind, rows in inter.items():
         for r in rows:
             print(f"{kind:14s} ITL p50 {r['itl_p50_ms']:6.2f} ms  p99 {r['itl_p99_ms']:6.2f} ms  "

@@ -36,20 +36,28 @@ from jaxinfer.distributed.connector import KVConnector, Prefilled, kv_bytes
 _FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
-def _send(sock: socket.socket, lock: threading.Lock, header: dict, payload: bytes = b"") -> None:
-    head = json.dumps({**header, "nbytes": len(payload)}).encode()
+def _send(sock: socket.socket, lock: threading.Lock, header: dict, *payload) -> None:
+    """One message; `payload` buffers (numpy arrays, bytes) are sent without a joined copy."""
+    views = [  # arrays as raw bytes (float8 and bfloat16 have no buffer-protocol format)
+        memoryview(p.reshape(-1).view(np.uint8)) if isinstance(p, np.ndarray) else memoryview(p)
+        for p in payload
+    ]
+    head = json.dumps({**header, "nbytes": sum(v.nbytes for v in views)}).encode()
     with lock:
-        sock.sendall(struct.pack(">I", len(head)) + head + payload)
+        sock.sendall(struct.pack(">I", len(head)) + head)
+        for v in views:
+            sock.sendall(v)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if not k:
             raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return buf
 
 
 def _recv(sock: socket.socket) -> tuple[dict, bytes]:
@@ -159,8 +167,9 @@ class SocketConnector(KVConnector):
         info, arrays = saved
         parts = {n: np.ascontiguousarray(a[:, skip:]) for n, a in arrays.items()}
         meta = {n: [list(a.shape), str(a.dtype)] for n, a in parts.items()}
-        _send(self.sock, self._lock, {"type": "blocks", "rid": key, "arrays": meta},
-              b"".join(a.tobytes() for a in parts.values()))  # fmt: skip
+        _send(
+            self.sock, self._lock, {"type": "blocks", "rid": key, "arrays": meta}, *parts.values()
+        )
 
     # -------------------------------------------------------------------- prefill side
 
