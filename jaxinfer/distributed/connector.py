@@ -116,6 +116,10 @@ class KVConnector(abc.ABC):
     def wait_for_load(self, request_id: Hashable) -> PagedKVCache:
         """The blocks of a started load, on the decode cache's devices and layout."""
 
+    @abc.abstractmethod
+    def load_arrived(self, request_id: Hashable) -> bool:
+        """Whether `wait_for_load` would return without waiting on the other side."""
+
     # both sides
     @abc.abstractmethod
     def request_finished(self, request_id: Hashable) -> None:
@@ -167,6 +171,9 @@ class MeshConnector(KVConnector):
         self.bytes_moved += kv_bytes(moved)
         self.num_loads += 1
         return moved
+
+    def load_arrived(self, request_id: Hashable) -> bool:
+        return True  # the copy is enqueued on the decode devices: a step would wait for it anyway
 
     def request_finished(self, request_id: Hashable) -> None:
         self._saved.pop(request_id, None)

@@ -192,11 +192,18 @@ class DecodeSide:
             self.connector.start_load(info.request_id, skip)
             self._loading[info.request_id] = (info, stage, skip)
 
-    def finish_loads(self) -> list[Event]:
-        """Waits for started loads, writes the blocks, hands the requests to the engine."""
+    def finish_loads(self, wait: bool = True) -> list[Event]:
+        """Writes the blocks of started loads and hands their requests to the engine.
+
+        Args:
+          wait: wait for every started load; False: only those that have arrived, so a decode
+            loop never stalls its running requests on a transfer (the two-process form).
+        """
         events: list[Event] = []
         S = self.engine.config.block_size
         for rid, (info, stage, skip) in list(self._loading.items()):
+            if not wait and not self.connector.load_arrived(rid):
+                continue
             blocks = self.connector.wait_for_load(rid)
             table = self.allocator.block_table(stage)
             self.engine.cache = scatter_blocks(

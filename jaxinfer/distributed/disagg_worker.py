@@ -87,7 +87,7 @@ def run_decode(spec: dict, address: str, abort, timeout: float) -> dict:
             aborted_at_blocks = (used, engine.allocator.num_used_blocks)
             finished.add(abort)
             reasons[abort] = "abort"
-        events = side.finish_loads() + side.step()
+        events = side.finish_loads(wait=False) + side.step()  # decodes never wait on a load
         while conn.done:
             d = conn.done.pop(0)
             events.append(d)

@@ -235,6 +235,10 @@ class SocketConnector(KVConnector):
         self.num_loads += 1
         return moved
 
+    def load_arrived(self, request_id: Hashable) -> bool:
+        with self._cv:
+            return _key(request_id) in self._blocks or self.error is not None
+
     def send_bye(self) -> None:
         _send(self.sock, self._lock, {"type": "bye"})
 
