@@ -141,7 +141,8 @@ class SocketConnector(KVConnector):
                         self.eos = header["count"]
                     elif kind == "blocks" and header["rid"] in self._dropped:
                         self._dropped.discard(header["rid"])  # aborted during the transfer
-                    elif kind == "blocks":
+                    elif kind == "blocks":  # stamped on arrival: a caller may collect later
+                        header["arrived"] = time.perf_counter()
                         self._blocks[header["rid"]] = (header, payload)
                     elif kind == "finished":
                         self._saved.pop(header["rid"], None)
@@ -229,8 +230,11 @@ class SocketConnector(KVConnector):
             arrays["k"], arrays["v"], arrays.get("k_scale"), arrays.get("v_scale"),
             kv_format=self.target.kv_format, platform=self.target.platform,
         )  # fmt: skip
+        put = time.perf_counter()
         moved = jax.block_until_ready(jax.device_put(blocks, self.target))
-        self.load_seconds += time.perf_counter() - self._loads.pop(key)
+        # start_load -> arrival, plus the host -> device copy (not the time before collection)
+        start = self._loads.pop(key)
+        self.load_seconds += header["arrived"] - start + time.perf_counter() - put
         self.bytes_moved += kv_bytes(moved)
         self.num_loads += 1
         return moved
