@@ -33,13 +33,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import common, flag_checks  # noqa: E402
 from jaxinfer.cache.paged import PagedKVCache  # noqa: E402
 from jaxinfer.distributed import worker  # noqa: E402
 from jaxinfer.distributed.connector import MeshConnector, Prefilled, gather_blocks  # noqa: E402
 from jaxinfer.distributed.launch import free_port, launch  # noqa: E402
 from jaxinfer.distributed.socket_connector import SocketConnector  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where results.json goes.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
+_CONFIG = common.config_flag()
 _BLOCKS = flags.DEFINE_list("blocks", ["8", "32", "128"], "Payload sizes in blocks of 16.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Transfers per size (median).")
 _DECODERS = flags.DEFINE_integer("decoders", 4, "Short requests that decode.")
@@ -47,6 +49,8 @@ _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 48, "Their output tokens.
 _LONG = flags.DEFINE_integer("long_prompts", 4, "Long prompts arriving behind them.")
 _LONG_LEN = flags.DEFINE_integer("long_len", 256, "Their prompt tokens.")
 _PARTS = flags.DEFINE_list("parts", ["transfer", "interference"], "Which benchmarks to run.")
+flag_checks.int_list(_BLOCKS, min_value=1)
+flag_checks.choice_list(_PARTS, ("transfer", "interference"))
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Measured rounds (after one warm-up), interleaved.")
 
 L, K, D, S = 30, 3, 64, 16  # SmolLM2-135M's cache shape
@@ -153,8 +157,9 @@ def _interference(workdir: pathlib.Path) -> dict:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     workdir = pathlib.Path(_WORKDIR.value or tempfile.mkdtemp())
-    workdir.mkdir(parents=True, exist_ok=True)
+    common.save_config(str(workdir))
     load0 = os.getloadavg()[0]
     target1 = jax.tree.map(lambda x: x.sharding, _pool(1, jax.devices()[1]))
     transfer = {"mesh": [], "socket": []}
@@ -173,7 +178,7 @@ def main(argv):
             print(f"{kind:14s} ITL p50 {r['itl_p50_ms']:6.2f} ms  p99 {r['itl_p99_ms']:6.2f} ms  "
                   f"wall {r['wall_s']:6.1f} s")  # fmt: skip
     result = dict(transfer=transfer, interference=inter, loadavg=[load0, os.getloadavg()[0]])
-    (workdir / "results.json").write_text(json.dumps(result, indent=1))
+    common.write_results(str(workdir), result)
     print(f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; results in {workdir}")
 
 

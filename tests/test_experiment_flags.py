@@ -106,6 +106,11 @@ CASES = {
     "sim_h200": [([], None), (["--tp=0"], ">= 1"), (["--rates=0"], "> 0")],
     "quality_report": [([], None), (["--calib_sequences=0"], "not a positive integer")],
     "bench_serve": [([], None), (["--rates=-1"], "> 0")],
+    "disagg_bench": [
+        ([], None),
+        (["--parts=transfer,foo"], "'foo' is not one of"),
+        (["--blocks=0"], ">= 1"),
+    ],
 }
 # Every script reruns a saved run: --config names an existing file, checked at parse time
 # (train's --config also takes a setting name).
