@@ -63,8 +63,14 @@ from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
     _step,
     _step_logprobs,
 )
-from jaxinfer.generate import GenerationOutput, validate_requests
 from jaxinfer.model.params import check_params
+from jaxinfer.requests import (
+    GenerationOutput,
+    per_prompt_sampling,
+    stop_ids,
+    token_list,
+    validate_requests,
+)
 from jaxinfer.sampling import SamplingBatch, SamplingParams
 
 
@@ -76,21 +82,6 @@ class _Live:
     seq_ids: tuple[int, ...]  # [n]
     tokens: list[list[int]]  # [n] streamed so far
     reasons: list[str | None]  # [n]
-
-
-def _token_list(prompt) -> list[int]:
-    """A validated prompt (list, tuple, numpy or jax array) as Python ints, in one transfer."""
-    if hasattr(prompt, "__array__"):
-        return np.asarray(prompt).tolist()
-    return [int(t) for t in prompt]
-
-
-def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
-    """The request's stop tokens, the model's eos included unless ignored (as `ji.generate`)."""
-    stops = set(sp.stop_token_ids)
-    if cfg.eos_token_id is not None and not sp.ignore_eos:
-        stops.add(cfg.eos_token_id)
-    return tuple(sorted(stops))
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -166,7 +157,7 @@ class Engine:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
             validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
             # Pool, rows and budget, by the scheduler's own admission checks.
-            self._probe.add_request(Request(probe_id, _token_list(prompt), sp))
+            self._probe.add_request(Request(probe_id, token_list(prompt), sp))
         except ValueError as e:
             raise ValueError(f"request {index} ({request_id!r}): {e}") from None
         finally:
@@ -210,8 +201,8 @@ class Engine:
                 return rid
 
     def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
-        prompt = _token_list(prompt)
-        sched_sp = dataclasses.replace(sp, stop_token_ids=_stop_ids(self.cfg, sp))
+        prompt = token_list(prompt)
+        sched_sp = dataclasses.replace(sp, stop_token_ids=stop_ids(self.cfg, sp))
         self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
         arrival = self.metrics_collector.requests[rid].arrival_time
         seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival))
@@ -348,7 +339,6 @@ class Engine:
         return stream
 
     # ------------------------------------------------------------------------ failures
-    # ------------------------------------------------------------------------ failures
 
     def _recover(self, schedule: Schedule, error: Exception) -> list[StreamOutput]:
         """Undoes a failed step and fails its requests (see `step`)."""
@@ -469,13 +459,7 @@ class Engine:
         Returns:
           One RequestOutput per prompt, in order; `.samples` holds all n samples.
         """
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, SequenceABC) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        sampling = list(sampling)
-        if len(sampling) != len(prompts):
-            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        sampling = per_prompt_sampling(prompts, sampling)
         rids = [self._auto_id(lambda k: ("generate", k)) for _ in prompts]
         for i, (p, sp) in enumerate(zip(prompts, sampling)):
             self._check(p, sp, rids[i], i)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import BatchMetadata
+from jaxinfer.cache.metadata import BatchMetadata, finite_rows
 from jaxinfer.cache.paged import PagedKVCache, copy_blocks
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
@@ -38,9 +38,8 @@ def _step(
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
-    # A NaN / Inf row would sample an arbitrary token (argmax of NaN is 0): flag it as -1, so
-    # the one [B] transfer carries the check too.
-    return jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), cache
+    # A non-finite row is flagged as -1, so the one [B] transfer carries the check too.
+    return jnp.where(finite_rows(rows), tokens, -1), cache
 
 
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
@@ -62,7 +61,7 @@ def _step_logprobs(
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
     lp = _token_logprobs(rows, tokens, num_logprobs)
-    return (jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), lp), cache
+    return (jnp.where(finite_rows(rows), tokens, -1), lp), cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

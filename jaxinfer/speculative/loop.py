@@ -38,18 +38,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import (
-    BatchMetadata,
-    SeqChunk,
-    bucket,
-    build_metadata,
-    contiguous_block_tables,
-)
+from jaxinfer.cache.metadata import BatchMetadata, is_stop, query_batch, start_flags
 from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
-from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.requests import (
+    GenerationOutput,
+    new_tokens_bucket,
+    prompt_batch,
+    stop_table,
+    validate_requests,
+)
 from jaxinfer.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -59,7 +59,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
-from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, slots_of
+from jaxinfer.speculative.drafters import draft_with_model, ngram_propose
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 ACCEPTANCE_MODES = ("rejection", "coupled")
@@ -136,12 +136,6 @@ class CycleStats:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
-    """`tokens [B, ...]` against `stops [B, n_stop]` -> bool `[B, ...]`."""
-    s = stops.reshape(stops.shape[:1] + (1,) * (tokens.ndim - 1) + stops.shape[1:])
-    return jnp.any(tokens[..., None] == s, axis=-1)
-
-
 def _prefill(
     tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend
 ) -> SpecState:
@@ -158,9 +152,7 @@ def _prefill(
     if dcfg is not None:
         dcache = init_cache(dcfg, 1 + b * m, block_size)
         _, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)
-    real = inputs.max_tokens > 0
-    n_out = real.astype(jnp.int32)
-    stopped = real & _is_stop(first, inputs.stops)
+    n_out, stopped, done = start_flags(first, inputs.max_tokens, inputs.stops)
     return SpecState(
         tcache=tcache,
         dcache=dcache,
@@ -168,7 +160,7 @@ def _prefill(
         cur=prompt_lens,
         dlen=prompt_lens,
         n_out=n_out,
-        done=~real | stopped | (n_out >= inputs.max_tokens),
+        done=done,
         stopped=stopped,
         cycles=jnp.zeros(b, jnp.int32),
         accept_hist=jnp.zeros((b, 0), jnp.int32),  # sized by _start
@@ -215,29 +207,20 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
 
 def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
     """Verify + accept + commit: `(new state, CycleStats)`."""
-    gamma, s = plan.gamma, plan.block_size
+    gamma = plan.gamma
     b, c = state.hist.shape
     rows = jnp.arange(b)
     g1 = gamma + 1
     last = state.hist[rows, state.cur]  # [B]
     tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, γ+1]
-    pos = state.cur[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]  # [B, γ+1]
-    batch = BatchMetadata(
-        tokens=tokens.reshape(-1),
-        positions=pos.reshape(-1),
-        query_start=jnp.arange(b + 1, dtype=jnp.int32) * g1,
-        seq_lens=state.cur + g1,
-        block_tables=inputs.tables,
-        slot_mapping=slots_of(inputs.tables, pos, s).reshape(-1),
-        logits_indices=jnp.arange(b * g1, dtype=jnp.int32),
-    )
+    batch = query_batch(tokens, state.cur, inputs.tables, plan.block_size)  # cur..cur+γ
     logits, tcache = forward(tparams, plan.cfg, batch, state.tcache, backend=plan.backend)
     logits = logits.reshape(b, g1, -1)  # [B, γ+1, V] predictions for positions cur+1..cur+γ+1
     out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
 
     # Cut the commit at the first stop token and at max_tokens; finished rows commit nothing.
     slot = jnp.arange(g1)[None, :]  # [1, γ+1]
-    stop_at = _is_stop(out, inputs.stops) & (slot < num_emitted[:, None])  # [B, γ+1]
+    stop_at = is_stop(out, inputs.stops) & (slot < num_emitted[:, None])  # [B, γ+1]
     has_stop = jnp.any(stop_at, axis=1)
     first_stop = jnp.argmax(stop_at, axis=1)
     live = ~state.done
@@ -373,31 +356,21 @@ def prepare_run(
             check_params(dcfg, dparams)
         except ValueError as e:
             raise ValueError(f"draft: {e}") from None
-    n, b = len(prompts), bucket(len(prompts))
-    lens = [len(p) for p in prompts]
-    max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
-    m = bucket(-(-(max(lens) + max_new + gamma + 1) // block_size))
-    tables = contiguous_block_tables(b, m)
-    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
-    meta, _ = build_metadata(
-        chunks, block_size, num_tokens=bucket(sum(lens), 16), num_seqs=b, max_blocks=m,
-        num_logits=b,
-    )  # fmt: skip
+    max_new = new_tokens_bucket(sampling)
+    capacity = max(len(p) for p in prompts) + max_new + gamma + 1
+    batch = prompt_batch(prompts, sampling, block_size, capacity=capacity)
+    b, m = batch.tables.shape
     hist = np.zeros((b, m * block_size), np.int32)
-    prompt_lens = np.zeros(b, np.int32)
-    max_tokens = np.zeros(b, np.int32)
-    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+    for i, p in enumerate(prompts):
         hist[i, : len(p)] = p
-        prompt_lens[i] = len(p)
-        max_tokens[i] = sp.max_tokens
     inputs = SpecInputs(
-        tables=tables,
+        tables=batch.tables,
         sb=SamplingBatch.from_params(sampling, pad_to=b),
         stops=stop_table(cfg, sampling, b),
-        max_tokens=max_tokens,
+        max_tokens=batch.max_tokens,
     )
     plan = _Plan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
-    return PreparedRun(plan, tparams, dparams, meta, hist, prompt_lens, inputs, n)
+    return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 
 def collect_outputs(prep: PreparedRun, state: SpecState) -> list[SpeculativeOutput]:
