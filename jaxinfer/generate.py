@@ -2,14 +2,16 @@
 
 The whole request batch is one compiled program: prefill writes every prompt into the cache
 and samples each first token; the loop then decodes all sequences together, one token per
-sequence per iteration, until every sequence has stopped. Shapes are bucketed to powers of two
-(batch, prompt tokens, blocks per sequence, new tokens) so new prompt lengths within a bucket
-reuse the compilation (tests count compilations with `_generate_core._cache_size()`).
+sequence per iteration, until every sequence has stopped; the loop's carry is a `DecodeState`.
+Shapes are bucketed to powers of two (batch, prompt tokens, blocks per sequence, new tokens) so
+new prompt lengths within a bucket reuse the compilation (tests count compilations with
+`_generate_core._cache_size()`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -24,7 +26,7 @@ from jaxinfer.cache.metadata import (
     is_stop,
     start_flags,
 )
-from jaxinfer.cache.paged import check_block_size, init_cache
+from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.distributed.sharding import constrain_cache
 from jaxinfer.distributed.sharding import prepare as prepare_tp
@@ -39,6 +41,22 @@ from jaxinfer.requests import (  # noqa: F401  (GenerationOutput, stop_table, va
     validate_requests,
 )
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's carry: the cache and each sequence's progress (B bucketed rows)."""
+
+    cache: PagedKVCache  # holds positions 0..lens-1 of every sequence
+    last: jax.Array  # [B] int32 the newest token, at position `lens`, not yet in the cache
+    lens: jax.Array  # [B] int32 tokens in the cache: prompt + generated - 1 (while live)
+    out: jax.Array  # [B, max_new] int32 generated tokens; the first n_out of a row are valid
+    n_out: jax.Array  # [B] int32 tokens generated so far (the prefill samples the first)
+    done: jax.Array  # [B] bool the sequence takes no more steps (see the stop rules below)
+    stopped: jax.Array  # [B] bool finished on a stop token (finish reason "stop")
+    failed: jax.Array  # [B] bool finished on non-finite logits (finish reason "error")
+    step: jax.Array  # [] int32 tokens sampled per live row so far: 1 after the prefill
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend", "mesh"))
@@ -58,46 +76,60 @@ def _generate_core(
     mesh: Mesh | None = None,  # the TP mesh the params live on (None: one device)
 ):
     b, m = tables.shape
+    rows = jnp.arange(b)
     params = loop_layout(params)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size)
     if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
         cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
     first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len
-    # [B] stopped at a non-finite row, which emits nothing
-    failed = (max_tokens > 0) & ~finite_rows(logits[:b])
-    out = jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(first)
+    # A row whose prefill logits are not finite fails at once and emits nothing.
+    failed = (max_tokens > 0) & ~finite_rows(logits[:b])  # [B]
     n_out, stopped, done = start_flags(first, max_tokens, stops, failed)
+    state = DecodeState(
+        cache=cache,
+        last=first,
+        lens=prompt_lens,
+        out=jnp.zeros((b, max_new), jnp.int32).at[:, 0].set(first),
+        n_out=n_out,
+        done=done,
+        stopped=stopped,
+        failed=failed,
+        step=jnp.int32(1),
+    )
 
-    def cond(state):
-        *_, done, _, step = state
-        # Stop when every sequence has hit a stop token or its max_tokens; the step bound
-        # is a guard (max_tokens <= max_new already bounds the loop).
-        return ~jnp.all(done) & (step < max_new)
+    def cond(st: DecodeState):
+        # Run while some sequence is live. The step bound is a guard only: every live row
+        # samples one token per step and max_tokens <= max_new, so `done` ends the loop first.
+        return ~jnp.all(st.done) & (st.step < max_new)
 
-    def body(state):
-        cache, last, lens, out, n_out, done, stopped, failed, step = state
+    def body(st: DecodeState) -> DecodeState:
         # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
-        batch = decode_batch(last, lens, tables, block_size)
-        logits, cache = forward(params, cfg, batch, cache, backend=backend)
-        new = sample(logits, sb, lens + 1)
-        bad = ~done & ~finite_rows(logits)
-        failed = failed | bad
-        live = ~done & ~bad
-        out = out.at[jnp.arange(b), jnp.minimum(n_out, max_new - 1)].set(
-            jnp.where(live, new, out[jnp.arange(b), jnp.minimum(n_out, max_new - 1)])
+        batch = decode_batch(st.last, st.lens, tables, block_size)
+        logits, cache = forward(params, cfg, batch, st.cache, backend=backend)  # [B, V]
+        new = sample(logits, sb, st.lens + 1)  # [B]
+        bad = ~st.done & ~finite_rows(logits)  # stop 1: non-finite logits, nothing emitted
+        live = ~st.done & ~bad
+        at = jnp.minimum(st.n_out, max_new - 1)  # [B] the next output slot (clamped when done)
+        out = st.out.at[rows, at].set(jnp.where(live, new, st.out[rows, at]))
+        n_out = st.n_out + live
+        hit = live & is_stop(new, stops)  # stop 2: a stop token, kept in the output
+        # stop 3: max_tokens reached (padding rows have max_tokens 0 and were done at once)
+        done = st.done | bad | hit | (n_out >= max_tokens)
+        return DecodeState(
+            cache=cache,
+            last=jnp.where(live, new, st.last),
+            lens=st.lens + live,
+            out=out,
+            n_out=n_out,
+            done=done,
+            stopped=st.stopped | hit,
+            failed=st.failed | bad,
+            step=st.step + 1,
         )
-        n_out = n_out + live
-        hit = live & is_stop(new, stops)
-        stopped = stopped | hit
-        done = done | bad | hit | (n_out >= max_tokens)
-        lens = lens + live
-        last = jnp.where(live, new, last)
-        return cache, last, lens, out, n_out, done, stopped, failed, step + 1
 
-    state = (cache, first, prompt_lens, out, n_out, done, stopped, failed, jnp.int32(1))
-    _, _, _, out, n_out, _, stopped, failed, _ = jax.lax.while_loop(cond, body, state)
-    return out, n_out, stopped, failed
+    st = jax.lax.while_loop(cond, body, state)
+    return st.out, st.n_out, st.stopped, st.failed
 
 
 def generate(
