@@ -38,8 +38,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Hashable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -165,7 +164,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: SequenceABC[int],
+        prompt: Sequence[int],
         sampling: SamplingParams | None = None,
         request_id: Hashable | None = None,
         arrival_time: float | None = None,
@@ -382,7 +381,7 @@ class Engine:
                 error=error, request_id=rid, samples=samples,
             )  # fmt: skip
 
-    def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
+    def _apply_copies(self, copies: Sequence[tuple[int, int]]) -> None:
         for group in _copy_groups(copies):
             n = bucket(len(group))
             src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
@@ -444,8 +443,8 @@ class Engine:
 
     def generate(
         self,
-        prompts: SequenceABC[SequenceABC[int]],
-        sampling: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs a batch of requests to completion (with any requests already queued).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,7 @@ def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     return copy_blocks(cache, src, dst)
 
 
-def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def _copy_groups(copies: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Splits ordered copies into groups one parallel scatter applies exactly: a copy starts a new
     group if it reads or overwrites a block an earlier copy of the group wrote."""
     groups: list[list[tuple[int, int]]] = []

@@ -80,8 +80,9 @@ class SpeculativeOutput(GenerationOutput):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything static about a run (hashable: one compilation per plan and shape bucket)."""
+class _SpecPlan:
+    """The static plan of a speculative run: models, γ, acceptance mode, cache and kernel
+    settings (hashable: one compilation per plan and shape bucket)."""
 
     cfg: ModelConfig
     dcfg: ModelConfig | None  # None: the n-gram drafter
@@ -168,7 +169,7 @@ def _prefill(
     )
 
 
-def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
     del tparams  # same signature as _verify, so both drivers call the phases alike
     if plan.dcfg is None:
@@ -205,7 +206,7 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
     return jax.lax.cond(jnp.all(greedy), lambda: (g_tok, g_n), mixed)
 
 
-def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     """Verify + accept + commit: `(new state, CycleStats)`."""
     gamma = plan.gamma
     b, c = state.hist.shape
@@ -250,7 +251,7 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     return new, CycleStats(live=live, accepted=jnp.where(live, accepted, 0), committed=n)
 
 
-def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     tparams = loop_layout(tparams)  # sliced once, outside the cycle loop
     dparams = None if dparams is None else loop_layout(dparams)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
@@ -285,7 +286,7 @@ _loop_jit = jax.jit(_run_loop, static_argnames=("plan",))
 class PreparedRun:
     """A validated, bucketed request batch: what both drivers start from (host side)."""
 
-    plan: _Plan
+    plan: _SpecPlan
     tparams: dict
     dparams: dict | None
     meta: BatchMetadata
@@ -369,7 +370,7 @@ def prepare_run(
         stops=stop_table(cfg, sampling, b),
         max_tokens=batch.max_tokens,
     )
-    plan = _Plan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
+    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
     return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 
