@@ -32,6 +32,7 @@ from jaxinfer.distributed.sharding import constrain_cache
 from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.ops.backend import resolve_backend, resolve_platform
 from jaxinfer.requests import (  # noqa: F401  (GenerationOutput, stop_table, validate_requests:
     GenerationOutput,  # re-exported where users import them from since before requests.py)
     check_pad_to,
@@ -59,7 +60,9 @@ class DecodeState:
     step: jax.Array  # [] int32 tokens sampled per live row so far: 1 after the prefill
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend", "mesh"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "max_new", "block_size", "backend", "platform", "mesh")
+)
 def _generate_core(
     params: dict,
     prefill: BatchMetadata,  # the ragged prompt batch; B padded rows of logits
@@ -72,13 +75,14 @@ def _generate_core(
     cfg: ModelConfig,
     max_new: int,
     block_size: int,
-    backend: str,
+    backend: str,  # concrete (resolved by `generate`)
+    platform: str,  # "cpu", "gpu", ... resolved by `generate`: the loop layout and cache
     mesh: Mesh | None = None,  # the TP mesh the params live on (None: one device)
 ):
     b, m = tables.shape
     rows = jnp.arange(b)
-    params = loop_layout(params)  # sliced once, outside the decode loop
-    cache = init_cache(cfg, 1 + b * m, block_size)
+    params = loop_layout(params, platform)  # sliced once, outside the decode loop
+    cache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
     if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
         cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
@@ -166,6 +170,8 @@ def generate(
     check_params(cfg, params)
     params, mesh = prepare_tp(cfg, params, mesh)
     block_size = check_block_size(block_size)
+    platform = resolve_platform()  # once, here: passed down static, never read under jit
+    backend = resolve_backend(backend, platform)
     pad_to = check_pad_to(pad_to)
     max_new = new_tokens_bucket(sampling, max(8, pad_to.get("new_tokens", 8)))
     longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, sampling))
@@ -184,6 +190,7 @@ def generate(
             max_new=max_new,
             block_size=block_size,
             backend=backend,
+            platform=platform,
             mesh=mesh,
         )
     out, n_out, stopped, failed = jax.device_get((out, n_out, stopped, failed))

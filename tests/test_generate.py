@@ -183,7 +183,7 @@ def test_non_finite_logits_end_that_sequence_with_an_error(params, monkeypatch):
     sequence, not token 0 "length" forever; the batch's other sequences are unaffected."""
     gen = importlib.import_module("jaxinfer.generate")  # the attribute is the function
 
-    static = dict(static_argnames=("cfg", "max_new", "block_size", "backend"))
+    static = dict(static_argnames=("cfg", "max_new", "block_size", "backend", "platform"))
     sp = ji.SamplingParams(temperature=0, max_tokens=6)
     prompts = [[5, 6, 7], [9, 10, 99], [11, 12]]
     want = ji.generate(CFG, params, prompts, sp)

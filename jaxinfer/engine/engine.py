@@ -63,6 +63,7 @@ from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
     _step_logprobs,
 )
 from jaxinfer.model.params import check_params
+from jaxinfer.ops.backend import resolve_platform
 from jaxinfer.requests import (
     GenerationOutput,
     per_prompt_sampling,
@@ -115,7 +116,10 @@ class Engine:
         self.cfg, self.params, self.config = cfg, params, config
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
-        self.cache = init_cache(cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format)
+        self.platform = resolve_platform()  # once: every cache of this engine is for it
+        self.cache = init_cache(
+            cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format, platform=self.platform
+        )
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)

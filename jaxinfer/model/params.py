@@ -185,14 +185,15 @@ def inference_layout(params: dict) -> dict:
     return out
 
 
-def loop_layout(params: dict) -> dict:
-    """`inference_layout(params)` when running on a CPU; `params` unchanged on other backends.
+def loop_layout(params: dict, platform: str) -> dict:
+    """`inference_layout(params)` when running on a CPU; `params` unchanged on other platforms.
 
-    The compiled decode loops call this. The layout's gain was measured on XLA's CPU backend. On a
-    GPU the copy would double the weights' memory for the whole loop, and nothing has been
-    measured there yet.
+    The compiled decode loops call this with the platform their entry point resolved
+    (`ops.backend.resolve_platform`), a static value: nothing traced reads the platform. The
+    layout's gain was measured on XLA's CPU backend. On a GPU the copy would double the weights'
+    memory for the whole loop, and nothing has been measured there yet.
     """
-    return inference_layout(params) if jax.default_backend() == "cpu" else params
+    return inference_layout(params) if platform == "cpu" else params
 
 
 def lm_head(params: dict):

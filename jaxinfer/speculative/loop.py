@@ -43,6 +43,7 @@ from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.ops.backend import resolve_backend, resolve_platform
 from jaxinfer.requests import (
     GenerationOutput,
     new_tokens_bucket,
@@ -89,7 +90,8 @@ class _SpecPlan:
     gamma: int
     acceptance: str
     block_size: int
-    backend: str
+    backend: str  # concrete (resolved by `prepare_run`)
+    platform: str  # "cpu", "gpu", ... resolved by `prepare_run`: loop layout and caches
     ngram_max: int
 
 
@@ -138,20 +140,20 @@ class CycleStats:
 
 
 def _prefill(
-    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend
+    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend, platform
 ) -> SpecState:
     """Writes every prompt into both caches and samples each first token (as `ji.generate`).
 
-    Independent of γ and the acceptance mode (static: the two configs, block size, backend), so
+    Independent of γ and the acceptance mode (static: configs, block size, backend, platform), so
     every γ of a sweep shares one prefill compilation; `_start` adds the γ-shaped fields.
     """
     b, m = inputs.tables.shape
-    tcache = init_cache(cfg, 1 + b * m, block_size)
+    tcache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
     logits, tcache = forward(tparams, cfg, meta, tcache, backend=backend)  # [B, V]
     first = sample(logits[:b], inputs.sb, prompt_lens)  # the token at position prompt_len
     dcache = None
     if dcfg is not None:
-        dcache = init_cache(dcfg, 1 + b * m, block_size)
+        dcache = init_cache(dcfg, 1 + b * m, block_size, platform=platform)
         _, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)
     n_out, stopped, done = start_flags(first, inputs.max_tokens, inputs.stops)
     return SpecState(
@@ -252,8 +254,8 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
 
 
 def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
-    tparams = loop_layout(tparams)  # sliced once, outside the cycle loop
-    dparams = None if dparams is None else loop_layout(dparams)
+    tparams = loop_layout(tparams, plan.platform)  # sliced once, outside the cycle loop
+    dparams = None if dparams is None else loop_layout(dparams, plan.platform)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
     limit = jnp.max(inputs.max_tokens)
 
@@ -270,7 +272,9 @@ def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _
     return jax.lax.while_loop(cond, body, state)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "dcfg", "block_size", "backend"))
+_prefill_jit = jax.jit(
+    _prefill, static_argnames=("cfg", "dcfg", "block_size", "backend", "platform")
+)
 # The two halves of a cycle, jitted alone for the host-driven, timed driver (cycle_log.py).
 draft_phase = jax.jit(_draft, static_argnames=("plan",))
 verify_phase = jax.jit(_verify, static_argnames=("plan",))
@@ -370,7 +374,9 @@ def prepare_run(
         stops=stop_table(cfg, sampling, b),
         max_tokens=batch.max_tokens,
     )
-    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
+    platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
+    backend = resolve_backend(backend, platform)
+    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max)
     return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 
@@ -402,6 +408,7 @@ def prefill_run(prep: PreparedRun) -> SpecState:
     state = _prefill_jit(
         prep.tparams, prep.dparams, prep.meta, prep.hist, prep.prompt_lens, prep.inputs,
         cfg=plan.cfg, dcfg=plan.dcfg, block_size=plan.block_size, backend=plan.backend,
+        platform=plan.platform,
     )  # fmt: skip
     b = prep.hist.shape[0]
     return dataclasses.replace(state, accept_hist=jnp.zeros((b, plan.gamma + 1), jnp.int32))
