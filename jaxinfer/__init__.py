@@ -22,7 +22,8 @@ from jaxinfer.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- sampling & generation
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.generate import GenerationOutput, generate
+from jaxinfer.requests import GenerationOutput
+from jaxinfer.generate import generate
 from jaxinfer.scoring import score
 
 # ---------------------------------------------------------------- subpackages (lazy)

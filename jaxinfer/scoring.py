@@ -10,11 +10,12 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward_dense
 from jaxinfer.model.params import check_params
+from jaxinfer.ops.backend import resolve_backend
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _score(params, tokens, cfg):
-    return forward_dense(params, cfg, tokens)
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _score(params, tokens, cfg, backend):
+    return forward_dense(params, cfg, tokens, backend=backend)
 
 
 def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
@@ -49,4 +50,5 @@ def score(cfg: ModelConfig, params: dict, tokens) -> jax.Array:
             f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
             f"{cfg.max_position_embeddings}"
         )
-    return _score(params, tokens.astype(jnp.int32), cfg)
+    # forward_dense's default "auto", resolved here on the host: nothing traced reads the platform
+    return _score(params, tokens.astype(jnp.int32), cfg, resolve_backend("auto"))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import SeqChunk, build_metadata, contiguous_block_tables
 from jaxinfer.cache.paged import KV_FORMATS, init_cache
 from jaxinfer.model.decoder import forward, forward_dense
+from jaxinfer.ops.backend import resolve_backend, resolve_platform
 
 # Windows per paged forward: the reference paged attention gathers every query's context,
 # [T, M, K, S, D] floats per layer, so paged batches stay small on CPU.
@@ -54,20 +55,21 @@ def paged_layout(num_windows: int, seq_len: int, block_size: int):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "kv_format", "num_blocks", "block_size", "backend")
+    jax.jit,
+    static_argnames=("cfg", "kv_format", "num_blocks", "block_size", "backend", "platform"),
 )
-def paged_logits(params, inputs, meta, cfg, kv_format, num_blocks, block_size, backend):
+def paged_logits(params, inputs, meta, cfg, kv_format, num_blocks, block_size, backend, platform):
     """`inputs [B, S]` -> logits `[B, S, V]` through the paged forward and a fresh cache."""
     bsz, n = inputs.shape
-    cache = init_cache(cfg, num_blocks, block_size, kv_format=kv_format)
+    cache = init_cache(cfg, num_blocks, block_size, kv_format=kv_format, platform=platform)
     meta = dataclasses.replace(meta, tokens=inputs.reshape(-1))  # [B*S], rows in window order
     logits, _ = forward(params, cfg, meta, cache, backend=backend)  # [B*S, V]
     return logits.reshape(bsz, n, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def dense_logits(params, inputs, cfg):
-    return forward_dense(params, cfg, inputs)  # [B, S, V] float32
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def dense_logits(params, inputs, cfg, backend):
+    return forward_dense(params, cfg, inputs, backend=backend)  # [B, S, V] float32
 
 
 def logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size: int):
@@ -76,19 +78,20 @@ def logits_fn(cfg, params, kv_format, block_size: int, backend: str, batch_size:
     kv_format None: the dense forward. Otherwise the paged forward over a `kv_format` cache, in
     sub-batches of at most PAGED_BATCH_SIZE windows (the largest divisor of batch_size).
     """
+    platform = resolve_platform()  # once per model, on the host: static in the jitted calls
     if kv_format is None:
-        return lambda inputs: dense_logits(params, inputs, cfg)
+        dense_backend = resolve_backend("auto", platform)  # as forward_dense's default
+        return lambda inputs: dense_logits(params, inputs, cfg, dense_backend)
     sub = max(d for d in range(1, min(batch_size, PAGED_BATCH_SIZE) + 1) if batch_size % d == 0)
 
     def run(inputs):
         meta, num_blocks = paged_layout(sub, inputs.shape[1], block_size)
         meta = jax.tree.map(jnp.asarray, meta)
-        parts = [
-            paged_logits(
-                params, inputs[i : i + sub], meta, cfg, kv_format, num_blocks, block_size, backend
-            )
-            for i in range(0, inputs.shape[0], sub)
-        ]
+        call = functools.partial(
+            paged_logits, cfg=cfg, kv_format=kv_format, num_blocks=num_blocks,
+            block_size=block_size, backend=backend, platform=platform,
+        )  # fmt: skip
+        parts = [call(params, inputs[i : i + sub], meta) for i in range(0, inputs.shape[0], sub)]
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     return run

@@ -3,12 +3,13 @@
 import importlib
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer.generate import _generate_core
+from jaxinfer.generate import DecodeState, _generate_core
 from tests.helpers import poison_logits, random_params
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
@@ -182,7 +183,7 @@ def test_non_finite_logits_end_that_sequence_with_an_error(params, monkeypatch):
     sequence, not token 0 "length" forever; the batch's other sequences are unaffected."""
     gen = importlib.import_module("jaxinfer.generate")  # the attribute is the function
 
-    static = dict(static_argnames=("cfg", "max_new", "block_size", "backend"))
+    static = dict(static_argnames=("cfg", "max_new", "block_size", "backend", "platform"))
     sp = ji.SamplingParams(temperature=0, max_tokens=6)
     prompts = [[5, 6, 7], [9, 10, 99], [11, 12]]
     want = ji.generate(CFG, params, prompts, sp)
@@ -201,3 +202,32 @@ def test_non_finite_logits_end_that_sequence_with_an_error(params, monkeypatch):
         assert (g.token_ids, g.finish_reason) == _expected_with_poison(p, w, mark)
         assert (g.error is not None) == (g.finish_reason == "error")
     assert got[0].finish_reason == "error" and len(got[0].token_ids) <= 3
+
+
+def test_decode_state_is_a_pytree_of_the_loops_arrays():
+    """`DecodeState` (the while_loop carry) flattens to the cache's arrays, then one leaf per
+    array field in order, and rebuilds from them; `step` is data, not static."""
+    cfg = ji.preset("tiny-llama")
+    cache = ji.init_cache(cfg, 3, 4)
+    b, max_new = 2, 8
+    fields = dict(
+        last=jnp.array([3, 4], jnp.int32),
+        lens=jnp.array([5, 6], jnp.int32),
+        out=jnp.arange(b * max_new, dtype=jnp.int32).reshape(b, max_new),
+        n_out=jnp.array([1, 2], jnp.int32),
+        done=jnp.array([False, True]),
+        stopped=jnp.array([False, True]),
+        failed=jnp.array([True, False]),
+        step=jnp.int32(7),
+    )
+    state = DecodeState(cache=cache, **fields)
+    leaves, treedef = jax.tree.flatten(state)
+    cache_leaves = jax.tree.leaves(cache)
+    assert len(leaves) == len(cache_leaves) + len(fields)
+    for got, want in zip(leaves, cache_leaves + list(fields.values()), strict=True):
+        assert got is want
+    doubled = jax.tree.map(lambda x: x * 2 if x.dtype == jnp.int32 else x, state)
+    np.testing.assert_array_equal(doubled.lens, [10, 12])
+    assert int(doubled.step) == 14
+    back = jax.tree.unflatten(treedef, leaves)
+    assert isinstance(back, DecodeState) and back.cache.platform == cache.platform

@@ -81,21 +81,21 @@ def test_prompt_bucket_bounds_padding_and_honours_the_minimum():
 
 def test_remembered_layout_is_made_once_and_equals_inference_layout():
     p = random_params(CFG, seed=5)
-    a = remembered_loop_layout(p)
-    assert remembered_loop_layout(p) is a  # the same arrays: no second copy
+    a = remembered_loop_layout(p, "cpu")
+    assert remembered_loop_layout(p, "cpu") is a  # the same arrays: no second copy
     ref = inference_layout(p)
     assert jax.tree.structure(a) == jax.tree.structure(ref)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert remembered_loop_layout(a) is a  # already laid out: passed through
+    assert remembered_loop_layout(a, "cpu") is a  # already laid out: passed through
     other = random_params(CFG, seed=6)
-    b = remembered_loop_layout(other)
+    b = remembered_loop_layout(other, "cpu")
     assert b is not a
     np.testing.assert_array_equal(np.asarray(b["lm_head"]), np.asarray(lm_head(other)))
     assert len(b["layers"]) == CFG.num_layers
     # A copy of the dict with one leaf replaced is another model: never served the old layout.
     changed = dict(other, final_norm=other["final_norm"] * 2)
-    c = remembered_loop_layout(changed)
+    c = remembered_loop_layout(changed, "cpu")
     np.testing.assert_array_equal(np.asarray(c["final_norm"]), np.asarray(changed["final_norm"]))
     del p, a, b, c, other, changed
     gc.collect()
@@ -108,4 +108,4 @@ def test_generate_reuses_the_layout_and_matches_the_stored_params(params):
     got = ji.generate(CFG, params, prompts, sp)
     want = ji.generate(CFG, inference_layout(params), prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert params_mod._REMEMBERED[0][2] is remembered_loop_layout(params)
+    assert params_mod._REMEMBERED[0][2] is remembered_loop_layout(params, "cpu")

@@ -8,6 +8,11 @@ sequences have q_len 0 and seq_len 0.
 
 `build_metadata` is host-side numpy and takes block tables from whoever owns them: the simple
 contiguous tables of `generate` (`contiguous_block_tables`) or the engine's BlockAllocator.
+
+The device side (`query_batch`, `decode_batch`, `slots_of`) builds the metadata of the decode
+loops' uniform steps inside jitted code: every sequence feeds G tokens (1 to decode, γ+1 to
+verify). `is_stop`, `finite_rows` and `start_flags` are the stop and first-token rules that
+`ji.generate`, the speculative loop and the engine step apply to what they sample.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Padding tokens write into the null block and padded block-table entries point at it.
@@ -147,3 +153,80 @@ def contiguous_block_tables(num_seqs: int, blocks_per_seq: int) -> np.ndarray:
     return 1 + np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(
         num_seqs, blocks_per_seq
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Device side: uniform decode / verify steps and the stop rules of the decode loops (jittable).
+# ---------------------------------------------------------------------------------------------
+
+
+def slots_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+    """Flat cache slot of each `positions [B, ...]` through `tables [B, M]` -> `[B, ...]` int32."""
+    rows = jnp.arange(tables.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+    return tables[rows, positions // block_size] * block_size + positions % block_size
+
+
+def query_batch(
+    tokens: jax.Array, start: jax.Array, tables: jax.Array, block_size: int
+) -> BatchMetadata:
+    """Every sequence feeds `tokens [B, G]` at positions start..start+G-1; logits of every row.
+
+    Decode is G = 1 (`decode_batch`), speculative verification G = γ+1. `start [B]` int32 is the
+    position of each sequence's first token; `tables [B, M]` its blocks.
+    """
+    b, g = tokens.shape
+    pos = start[:, None] + jnp.arange(g, dtype=jnp.int32)[None, :]  # [B, G]
+    return BatchMetadata(
+        tokens=tokens.reshape(-1),  # [B·G]
+        positions=pos.reshape(-1),  # [B·G]
+        query_start=jnp.arange(b + 1, dtype=jnp.int32) * g,  # [B+1]
+        seq_lens=start + g,  # [B]
+        block_tables=tables,  # [B, M]
+        slot_mapping=slots_of(tables, pos, block_size).reshape(-1),  # [B·G]
+        logits_indices=jnp.arange(b * g, dtype=jnp.int32),  # [B·G]
+    )
+
+
+def decode_batch(
+    tokens: jax.Array, positions: jax.Array, tables: jax.Array, block_size: int
+) -> BatchMetadata:
+    """One token per sequence: `tokens [B]` at `positions [B]`."""
+    return query_batch(tokens[:, None], positions, tables, block_size)
+
+
+def is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
+    """`tokens [B, ...]` against `stops [B, n_stop]` (-1 padded) -> bool `[B, ...]`."""
+    s = stops.reshape(stops.shape[:1] + (1,) * (tokens.ndim - 1) + stops.shape[1:])
+    return jnp.any(tokens[..., None] == s, axis=-1)
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """`logits [B, ...]` -> `[B]` bool, every value of the row finite.
+
+    A NaN / Inf row would sample an arbitrary token (argmax of NaN is 0) forever: the loops
+    stop such a sequence with an error instead.
+    """
+    return jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
+
+
+def start_flags(
+    first: jax.Array, max_tokens: jax.Array, stops: jax.Array, failed: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The progress of each sequence after its first token `first [B]` (sampled by prefill).
+
+    Args:
+      first: `[B]` int32 the token at position prompt_len.
+      max_tokens: `[B]` int32 (0 for padding rows, which are done at once).
+      stops: `[B, n_stop]` int32 stop ids, -1 padded.
+      failed: `[B]` bool rows whose prefill logits were not finite (they emit nothing), or None.
+
+    Returns:
+      (n_out `[B]` int32 tokens emitted, stopped `[B]` bool the first token is a stop token,
+      done `[B]` bool the sequence needs no decode step).
+    """
+    live = max_tokens > 0
+    if failed is not None:
+        live = live & ~failed
+    n_out = live.astype(jnp.int32)
+    stopped = live & is_stop(first, stops)
+    return n_out, stopped, ~live | stopped | (n_out >= max_tokens)

@@ -18,6 +18,7 @@ from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 
 KV_FORMATS = ("float", "int8", "fp8")
+_STORE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}  # storage dtype of a quantized format
 
 
 @jax.tree_util.register_dataclass
@@ -30,8 +31,8 @@ class PagedKVCache:
     k_scale: jax.Array | None  # [L, num_blocks, K, S] float32, quantized formats only
     v_scale: jax.Array | None  # [L, num_blocks, K, S] float32
     kv_format: str = dataclasses.field(default="float", metadata=dict(static=True))
-    # The platform the cache lives on ("cpu", "gpu", ...), read once by `init_cache`: it decides
-    # how float8 pages are indexed (`take_pages`), so no traced code reads the platform.
+    # The platform the cache lives on ("cpu", "gpu", ...), fixed by `init_cache`: it decides how
+    # float8 pages are indexed (`take_pages`), so no traced code reads the platform.
     platform: str = dataclasses.field(default="cpu", metadata=dict(static=True))
 
     @property
@@ -75,7 +76,9 @@ def init_cache(
       block_size: S, tokens per block.
       dtype: storage dtype of a "float" cache; defaults to cfg.dtype.
       kv_format: "float", "int8" or "fp8" (e4m3 with per-(token, head) scales).
-      platform: the platform the cache is for; defaults to `jax.default_backend()`, read here.
+      platform: the platform the cache is for. None: the platform of the device the zeroed
+        pages were allocated on (a host call only; under `jit` the caller passes the platform it
+        resolved at its boundary, `ops.backend.resolve_platform`).
     """
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format={kv_format!r}; expected one of {KV_FORMATS}")
@@ -83,19 +86,26 @@ def init_cache(
     if num_blocks < 2:
         raise ValueError(f"num_blocks={num_blocks!r} is invalid: need >= 2 (block 0 is reserved)")
     shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-    platform = platform or jax.default_backend()
+    store = jnp.dtype(dtype or cfg.dtype) if kv_format == "float" else _STORE[kv_format]
+    k, v = jnp.zeros(shape, store), jnp.zeros(shape, store)
+    platform = _platform_of(k) if platform is None else platform
     if kv_format == "float":
-        store = jnp.dtype(dtype or cfg.dtype)
-        return PagedKVCache(
-            jnp.zeros(shape, store), jnp.zeros(shape, store), None, None, platform=platform
-        )
-    store = jnp.int8 if kv_format == "int8" else jnp.float8_e4m3fn
+        return PagedKVCache(k, v, None, None, platform=platform)
     # Two scale arrays, not one twice: the engine donates the cache, and XLA refuses to donate
     # one buffer as two arguments.
     k_scale, v_scale = jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32)
-    return PagedKVCache(
-        jnp.zeros(shape, store), jnp.zeros(shape, store), k_scale, v_scale, kv_format, platform
-    )
+    return PagedKVCache(k, v, k_scale, v_scale, kv_format, platform)
+
+
+def _platform_of(pages: jax.Array) -> str:
+    """The platform of the device(s) holding concrete `pages`; ValueError under a trace."""
+    if isinstance(pages, jax.core.Tracer):
+        raise ValueError(
+            "init_cache(platform=None) inside a traced function: pass the platform resolved at "
+            "the entry point (jaxinfer.ops.backend.resolve_platform()), e.g. platform='cpu'"
+        )
+    (platform,) = {d.platform for d in pages.devices()}
+    return platform
 
 
 def quantize_kv(x: jax.Array, kv_format: str) -> tuple[jax.Array, jax.Array | None]:
@@ -127,12 +137,11 @@ def write_kv(
     return dataclasses.replace(cache, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
-def _through_bytes(dtype, platform: str | None = None) -> bool:
+def _through_bytes(dtype, platform: str) -> bool:
     """Whether `take_pages` / `_scatter` index a float8 pool through a uint8 view: on a CPU only
-    (a GPU has float8 loads and stores; there the plain ops are kept, unmeasured). `platform`
-    None reads `jax.default_backend()` (host-side callers only)."""
+    (a GPU has float8 loads and stores; there the plain ops are kept, unmeasured)."""
     narrow_float = jnp.dtype(dtype).itemsize == 1 and not jnp.issubdtype(dtype, jnp.integer)
-    return narrow_float and (platform or jax.default_backend()) == "cpu"
+    return narrow_float and platform == "cpu"
 
 
 def take_pages(pages: jax.Array, index, platform: str) -> jax.Array:

@@ -32,7 +32,7 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
     """Creates `engine.cache` and puts it, `engine.params` and `engine.step` on the TP mesh.
 
     Args:
-      engine: an `Engine` under construction: `cfg`, `params` and `config` set.
+      engine: an `Engine` under construction: `cfg`, `params`, `config` and `platform` set.
 
     Returns:
       The TP mesh (the `(kv, rep)` layout of `config.mesh`'s devices), or None on one device.
@@ -48,7 +48,7 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
     layout = mesh if mesh is not None or config.mesh is None else tp_mesh(cfg, config.mesh)
     cache = init_cache(
         cfg, config.num_blocks, config.block_size, dtype=config.kv_dtype,
-        kv_format=config.kv_format,
+        kv_format=config.kv_format, platform=engine.platform,
     )  # fmt: skip
     engine.cache = cache if layout is None else shard_cache(cfg, cache, layout)
     if mesh is None:

@@ -12,7 +12,7 @@ from jaxinfer.engine.metrics import (
     StepRecord,
 )
 from jaxinfer.engine.outputs import RequestOutput, StreamOutput
-from jaxinfer.engine.request import FinishReason, Request, SeqStatus, Sequence
+from jaxinfer.engine.request import FinishReason, Request, SeqStatus, SequenceState
 from jaxinfer.engine.scheduler import (
     Schedule,
     ScheduledSeq,
@@ -33,7 +33,7 @@ __all__ = [
     "FinishReason",
     "Request",
     "SeqStatus",
-    "Sequence",
+    "SequenceState",
     # ----------------------------------------------------------------------- scheduler
     "Schedule",
     "ScheduledSeq",

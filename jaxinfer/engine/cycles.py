@@ -152,7 +152,9 @@ def init_speculation(engine, detokenize) -> None:
         dcfg, dparams = spec.draft_model
         check_params(dcfg, dparams)
         # Same block ids as the target's cache (see speculation.py): one allocator for both.
-        engine.dcache = init_cache(dcfg, engine.config.num_blocks, engine.config.block_size)
+        engine.dcache = init_cache(
+            dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
+        )
     engine.spec_counters = SpecCounters(spec.max_gamma)
     fixed = None if spec.auto else spec.num_speculative_tokens
     engine.controller = GammaController(spec.max_gamma, fixed, engine.spec_counters)

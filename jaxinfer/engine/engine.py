@@ -38,8 +38,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Hashable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -63,8 +62,15 @@ from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
     _step,
     _step_logprobs,
 )
-from jaxinfer.generate import GenerationOutput, validate_requests
 from jaxinfer.model.params import check_params
+from jaxinfer.ops.backend import resolve_platform
+from jaxinfer.requests import (
+    GenerationOutput,
+    per_prompt_sampling,
+    stop_ids,
+    token_list,
+    validate_requests,
+)
 from jaxinfer.sampling import SamplingBatch, SamplingParams
 
 
@@ -76,21 +82,6 @@ class _Live:
     seq_ids: tuple[int, ...]  # [n]
     tokens: list[list[int]]  # [n] streamed so far
     reasons: list[str | None]  # [n]
-
-
-def _token_list(prompt) -> list[int]:
-    """A validated prompt (list, tuple, numpy or jax array) as Python ints, in one transfer."""
-    if hasattr(prompt, "__array__"):
-        return np.asarray(prompt).tolist()
-    return [int(t) for t in prompt]
-
-
-def _stop_ids(cfg: ModelConfig, sp: SamplingParams) -> tuple[int, ...]:
-    """The request's stop tokens, the model's eos included unless ignored (as `ji.generate`)."""
-    stops = set(sp.stop_token_ids)
-    if cfg.eos_token_id is not None and not sp.ignore_eos:
-        stops.add(cfg.eos_token_id)
-    return tuple(sorted(stops))
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -125,6 +116,7 @@ class Engine:
         self.cfg, self.params, self.config = cfg, params, config
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
+        self.platform = resolve_platform()  # once: every cache of this engine is for it
         self.mesh = place_engine(self)  # the cache; with EngineConfig.mesh, all on the TP mesh
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
@@ -166,7 +158,7 @@ class Engine:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
             validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
             # Pool, rows and budget, by the scheduler's own admission checks.
-            self._probe.add_request(Request(probe_id, _token_list(prompt), sp))
+            self._probe.add_request(Request(probe_id, token_list(prompt), sp))
         except ValueError as e:
             raise ValueError(f"request {index} ({request_id!r}): {e}") from None
         finally:
@@ -174,7 +166,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: SequenceABC[int],
+        prompt: Sequence[int],
         sampling: SamplingParams | None = None,
         request_id: Hashable | None = None,
         arrival_time: float | None = None,
@@ -210,8 +202,8 @@ class Engine:
                 return rid
 
     def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
-        prompt = _token_list(prompt)
-        sched_sp = dataclasses.replace(sp, stop_token_ids=_stop_ids(self.cfg, sp))
+        prompt = token_list(prompt)
+        sched_sp = dataclasses.replace(sp, stop_token_ids=stop_ids(self.cfg, sp))
         self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
         arrival = self.metrics_collector.requests[rid].arrival_time
         seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival))
@@ -348,7 +340,6 @@ class Engine:
         return stream
 
     # ------------------------------------------------------------------------ failures
-    # ------------------------------------------------------------------------ failures
 
     def _recover(self, schedule: Schedule, error: Exception) -> list[StreamOutput]:
         """Undoes a failed step and fails its requests (see `step`)."""
@@ -392,7 +383,7 @@ class Engine:
                 error=error, request_id=rid, samples=samples,
             )  # fmt: skip
 
-    def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
+    def _apply_copies(self, copies: Sequence[tuple[int, int]]) -> None:
         for group in _copy_groups(copies):
             n = bucket(len(group))
             src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
@@ -454,8 +445,8 @@ class Engine:
 
     def generate(
         self,
-        prompts: SequenceABC[SequenceABC[int]],
-        sampling: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs a batch of requests to completion (with any requests already queued).
 
@@ -469,13 +460,7 @@ class Engine:
         Returns:
           One RequestOutput per prompt, in order; `.samples` holds all n samples.
         """
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, SequenceABC) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        sampling = list(sampling)
-        if len(sampling) != len(prompts):
-            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        sampling = per_prompt_sampling(prompts, sampling)
         rids = [self._auto_id(lambda k: ("generate", k)) for _ in prompts]
         for i, (p, sp) in enumerate(zip(prompts, sampling)):
             self._check(p, sp, rids[i], i)

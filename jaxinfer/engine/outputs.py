@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
-from jaxinfer.generate import GenerationOutput
+from jaxinfer.requests import GenerationOutput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,13 +45,16 @@ def undo(engine: Engine, schedule: Schedule) -> None:
     ):
         if engine.dcache is not None:  # the drafter's cache shares the block ids: both go
             dcfg = engine.config.speculative.draft_model[0]
-            engine.dcache = init_cache(dcfg, engine.config.num_blocks, engine.config.block_size)
+            engine.dcache = init_cache(
+                dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
+            )
         engine.cache = init_cache(
             engine.cfg,
             engine.config.num_blocks,
             engine.config.block_size,
             dtype=engine.config.kv_dtype,
             kv_format=engine.config.kv_format,
+            platform=engine.platform,
         )
         for seq in engine.scheduler.running:
             engine.scheduler.preempt(seq.seq_id)

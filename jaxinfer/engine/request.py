@@ -3,7 +3,7 @@
 A `Request` is what a client submits: a prompt and sampling parameters. The scheduler only reads
 three of those parameters (`max_tokens`, `stop_token_ids`, `n`) and passes the object through
 untouched, so any object with these attributes works (`jaxinfer.sampling.SamplingParams` in the
-engine, a small dataclass in tests). A request with `n > 1` becomes n `Sequence`s: the first one
+engine, a small dataclass in tests). A request with `n > 1` becomes n `SequenceState`s: the first
 prefills the prompt, the others are forked from it after the prefill and share its KV blocks.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Hashable
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,7 +114,7 @@ class Request:
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sampled continuation of a request, with the scheduler's bookkeeping.
 
     `token_ids[:num_computed]` have their K/V in the cache; the rest are computed in coming steps.
@@ -167,7 +166,7 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def append_tokens(self, new_token_ids: SequenceABC[int]) -> list[int]:
+    def append_tokens(self, new_token_ids: Sequence[int]) -> list[int]:
         """Appends sampled tokens up to the first stop condition.
 
         Stops after a stop token (which is kept) or when the output reaches `max_tokens`; sets

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
-from jaxinfer.engine.request import FinishReason, Sequence
+from jaxinfer.engine.request import FinishReason, SequenceState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +95,10 @@ class SeqOutput:
 class SchedulerState:
     """What `Scheduler.rollback` restores (see `Scheduler._save_state`)."""
 
-    waiting: list[Sequence]
-    running: list[Sequence]
-    seqs: dict[int, Sequence]
-    requests: dict[Hashable, list[Sequence]]
+    waiting: list[SequenceState]
+    running: list[SequenceState]
+    seqs: dict[int, SequenceState]
+    requests: dict[Hashable, list[SequenceState]]
     seq_ids: dict[Hashable, tuple[int, ...]]
     num_preemptions: int
     fields: list[tuple]  # per live sequence: it, num_computed, status, reason, prefill_end,

@@ -26,11 +26,10 @@ sequences, which share every block; the first append into the shared partial blo
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable, Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from jaxinfer.cache.allocator import BlockAllocator, NoFreeBlocksError
-from jaxinfer.engine.request import FinishReason, Request, SeqStatus, Sequence
+from jaxinfer.engine.request import FinishReason, Request, SeqStatus, SequenceState
 from jaxinfer.engine.schedule import (  # noqa: F401  (the step's types, re-exported)
     Schedule,
     ScheduledSeq,
@@ -55,10 +54,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
         self.config = config
         self.allocator = allocator
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []  # admission order, oldest first
-        self._seqs: dict[int, Sequence] = {}  # live sequences
-        self._requests: dict[Hashable, list[Sequence]] = {}  # live requests
+        self._waiting: collections.deque[SequenceState] = collections.deque()
+        self._running: list[SequenceState] = []  # admission order, oldest first
+        self._seqs: dict[int, SequenceState] = {}  # live sequences
+        self._requests: dict[Hashable, list[SequenceState]] = {}  # live requests
         self._seq_ids: dict[Hashable, tuple[int, ...]] = {}  # live request -> its n seq ids
         self._next_seq_id = 0
         self._pending: Schedule | None = None
@@ -69,11 +68,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------- views
 
     @property
-    def running(self) -> tuple[Sequence, ...]:
+    def running(self) -> tuple[SequenceState, ...]:
         return tuple(self._running)
 
     @property
-    def waiting(self) -> tuple[Sequence, ...]:
+    def waiting(self) -> tuple[SequenceState, ...]:
         return tuple(self._waiting)
 
     @property
@@ -84,11 +83,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def sequence(self, seq_id: int) -> Sequence:
+    def sequence(self, seq_id: int) -> SequenceState:
         """A live sequence by id."""
         return self._seqs[seq_id]
 
-    def sequences(self, request_id: Hashable) -> list[Sequence]:
+    def sequences(self, request_id: Hashable) -> list[SequenceState]:
         """The sequences of a live request, finished ones included ([] once it is done)."""
         return list(self._requests.get(request_id, ()))
 
@@ -132,7 +131,7 @@ class Scheduler:
         return ids
 
     def _queue(self, request: Request, ids: tuple[int, ...]) -> None:
-        seq = Sequence(ids[0], request, 0, list(request.prompt_token_ids))
+        seq = SequenceState(ids[0], request, 0, list(request.prompt_token_ids))
         self._seqs[seq.seq_id] = seq
         self._requests[request.request_id] = [seq]
         self._seq_ids[request.request_id] = ids
@@ -157,7 +156,7 @@ class Scheduler:
 
     # --------------------------------------------------------------------------- schedule
 
-    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> Schedule:
+    def schedule(self, lookahead: Callable[[SequenceState], int] | None = None) -> Schedule:
         """Decides the next step (see the module docstring for the policy).
 
         Args:
@@ -248,7 +247,7 @@ class Scheduler:
 
     def _reserve_slots(
         self,
-        seq: Sequence,
+        seq: SequenceState,
         scheduled: set[int],
         copies: list[tuple[int, int]],
         preempted: list[int],
@@ -272,7 +271,7 @@ class Scheduler:
                 if victim is seq:
                     return False
 
-    def _lookahead(self, seq: Sequence, q: int, budget: int, want) -> int:
+    def _lookahead(self, seq: SequenceState, q: int, budget: int, want) -> int:
         """The γ of a decode (0 if not speculating), its lookahead blocks reserved."""
         single = seq.sample_index > 0 or seq.forked or seq.request.n == 1
         if want is None or q != 1 or not single:
@@ -284,7 +283,7 @@ class Scheduler:
         self.allocator.reserve_lookahead(seq.seq_id, g)
         return g
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.allocator.free(seq.seq_id)
         self._running.remove(seq)
         seq.num_computed = 0
@@ -292,7 +291,7 @@ class Scheduler:
         self._waiting.appendleft(seq)  # newest preempted first, so the front stays FCFS
         self.num_preemptions += 1
 
-    def _scheduled(self, seq: Sequence, q: int, lookahead: int = 0) -> ScheduledSeq:
+    def _scheduled(self, seq: SequenceState, q: int, lookahead: int = 0) -> ScheduledSeq:
         start = seq.num_computed
         end = start + q
         sample = end == len(seq.token_ids)
@@ -315,9 +314,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- update
 
-    def update(
-        self, schedule: Schedule, sampled: Mapping[int, SequenceABC[int]]
-    ) -> list[SeqOutput]:
+    def update(self, schedule: Schedule, sampled: Mapping[int, Sequence[int]]) -> list[SeqOutput]:
         """Applies a step's results: advances computed counts, appends sampled tokens, forks
         n > 1 requests after their prefill, applies stop conditions and frees finished sequences.
 
@@ -457,9 +454,9 @@ class Scheduler:
         seq = self._seqs.get(seq_id)
         return seq is not None and seq.status is SeqStatus.RUNNING
 
-    def _fork(self, parent: Sequence, child_id: int, sample_index: int) -> Sequence:
+    def _fork(self, parent: SequenceState, child_id: int, sample_index: int) -> SequenceState:
         self.allocator.fork(parent.seq_id, child_id)
-        child = Sequence(
+        child = SequenceState(
             seq_id=child_id,
             request=parent.request,
             sample_index=sample_index,
@@ -474,7 +471,7 @@ class Scheduler:
         self._running.append(child)
         return child
 
-    def _retire(self, seq: Sequence) -> None:
+    def _retire(self, seq: SequenceState) -> None:
         """Forgets a finished sequence, and its request once no sequence of it is live."""
         del self._seqs[seq.seq_id]
         rid = seq.request_id

@@ -8,7 +8,7 @@ A step with speculation (`EngineConfig.speculative`):
    request's history (`drafters.ngram_propose`); the model drafter runs one ragged forward that
    mirrors the step's prefill chunks and plain decodes into its own cache and, for each drafting
    request, feeds its last two committed tokens, then γmax − 1 one-token steps
-   (`drafters.decode_batch`, tokens chosen by the loop's `make_pick`). Only the `[B, γ]` draft
+   (`cache.metadata.decode_batch`, tokens chosen by the loop's `make_pick`). Only the `[B, γ]` draft
    ids come back to the host.
 3. **verify** (`_verify`, one jitted call): the target's one ragged forward over prefill chunks,
    plain decodes and each drafting request's γ + 1 positions (`logits="all"`), then acceptance on
@@ -38,7 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata
+from jaxinfer.cache.metadata import (
+    BatchMetadata,
+    SeqChunk,
+    bucket,
+    build_metadata,
+    decode_batch,
+    finite_rows,
+)
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
@@ -48,7 +55,7 @@ from jaxinfer.speculative.acceptance import (
     _noise,
     _rejection_sample_with_noise,
 )
-from jaxinfer.speculative.drafters import decode_batch, ngram_propose
+from jaxinfer.speculative.drafters import ngram_propose
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 
@@ -144,7 +151,7 @@ def _verify(
             return jnp.where(use[:, None], rt, tokens), jnp.where(use, rn, n)
 
         tokens, n = jax.lax.cond(jnp.any(use), rejection, lambda: (tokens, n))
-    finite = jnp.all(jnp.isfinite(x).reshape(r, g, -1), axis=(1, 2))  # [R]
+    finite = finite_rows(x.reshape(r, g, -1))  # [R]
     return (jnp.where(finite[:, None], tokens, -1), n), cache
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import BatchMetadata
+from jaxinfer.cache.metadata import BatchMetadata, finite_rows
 from jaxinfer.cache.paged import PagedKVCache, copy_blocks
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
@@ -38,9 +38,8 @@ def _step(
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
-    # A NaN / Inf row would sample an arbitrary token (argmax of NaN is 0): flag it as -1, so
-    # the one [B] transfer carries the check too.
-    return jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), cache
+    # A non-finite row is flagged as -1, so the one [B] transfer carries the check too.
+    return jnp.where(finite_rows(rows), tokens, -1), cache
 
 
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
@@ -62,7 +61,7 @@ def _step_logprobs(
     rows = logits[sample_src]  # [B, V]
     tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
     lp = _token_logprobs(rows, tokens, num_logprobs)
-    return (jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), tokens, -1), lp), cache
+    return (jnp.where(finite_rows(rows), tokens, -1), lp), cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -70,7 +69,7 @@ def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     return copy_blocks(cache, src, dst)
 
 
-def _copy_groups(copies: SequenceABC[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def _copy_groups(copies: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Splits ordered copies into groups one parallel scatter applies exactly: a copy starts a new
     group if it reads or overwrites a block an earlier copy of the group wrote."""
     groups: list[list[tuple[int, int]]] = []

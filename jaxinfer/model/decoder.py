@@ -56,7 +56,8 @@ def forward(
     Returns:
       (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache).
     """
-    backend = resolve_backend(backend)  # "auto" read once here, not by every op of every layer
+    # "auto" resolved once here, for the cache's platform, not by every op of every layer.
+    backend = resolve_backend(backend, cache.platform)
     x = params["embed"][batch.tokens]  # [T, E]
 
     def layer(carry, xs):

@@ -186,14 +186,15 @@ def inference_layout(params: dict) -> dict:
     return out
 
 
-def loop_layout(params: dict) -> dict:
-    """`inference_layout(params)` when running on a CPU; `params` unchanged on other backends.
+def loop_layout(params: dict, platform: str) -> dict:
+    """`inference_layout(params)` when running on a CPU; `params` unchanged on other platforms.
 
-    The compiled decode loops call this. The layout's gain was measured on XLA's CPU backend. On a
-    GPU the copy would double the weights' memory for the whole loop, and nothing has been
-    measured there yet.
+    The compiled decode loops call this with the platform their entry point resolved
+    (`ops.backend.resolve_platform`), a static value: nothing traced reads the platform. The
+    layout's gain was measured on XLA's CPU backend. On a GPU the copy would double the weights'
+    memory for the whole loop, and nothing has been measured there yet.
     """
-    return inference_layout(params) if jax.default_backend() == "cpu" else params
+    return inference_layout(params) if platform == "cpu" else params
 
 
 # The last stored params pytree `remembered_loop_layout` laid out: (weak references to its leaves,
@@ -202,8 +203,8 @@ _REMEMBERED: list = []
 _jitted_layout = jax.jit(inference_layout)
 
 
-def remembered_loop_layout(params: dict) -> dict:
-    """`loop_layout(params)`, computed once per stored params pytree and then reused.
+def remembered_loop_layout(params: dict, platform: str) -> dict:
+    """`loop_layout(params, platform)`, computed once per stored params pytree and then reused.
 
     Inside a compiled decode loop the layout is a copy of every weight made at every call: for
     SmolLM2 (538 MB of float32) that copy cost more than a quarter of a 200-token prefill. Made
@@ -213,7 +214,7 @@ def remembered_loop_layout(params: dict) -> dict:
     Params already in the layout, params off a CPU and traced params pass through unchanged.
     """
     layers = params["layers"]
-    if jax.default_backend() != "cpu" or (isinstance(layers, tuple | list) and "lm_head" in params):
+    if platform != "cpu" or (isinstance(layers, tuple | list) and "lm_head" in params):
         return params
     leaves, treedef = jax.tree.flatten(params)
     if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cache.paged import take_pages
-from jaxinfer.ops.backend import BACKENDS, is_pallas, resolve_backend
+from jaxinfer.ops.backend import BACKENDS, is_pallas, resolve_backend, resolve_platform
 from pallas_kernels.paged_attention.blocks import tile_schedule
 from pallas_kernels.paged_attention.reference import (
     ragged_paged_attention_reference as paged_attention_reference,
@@ -167,15 +167,17 @@ def paged_attention(
     v_scale=None,
     layer=None,
     backend: str = "auto",
-    platform: str = "cpu",
+    platform: str | None = None,
 ):
     """Ragged paged attention through the chosen backend (see `paged_attention_reference`).
 
     With `layer`, the pages and scales hold every layer `[L, num_blocks, ...]` and the op reads
     that layer in place (see `paged_attention_xla`); every backend takes the argument.
-    `platform` is the pages' platform, used by the XLA path (see `paged_attention_xla`).
+    `platform` is the pages' platform (`PagedKVCache.platform`, as the model passes it), used by
+    the XLA path and to resolve `backend`; None: `resolve_platform()`, read here.
     """
-    backend = resolve_backend(backend)
+    platform = resolve_platform(platform)
+    backend = resolve_backend(backend, platform)
     args = (q, k_pages, v_pages, query_start, seq_lens, block_tables)
     kw = dict(sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, layer=layer)
     if backend == "xla":

@@ -4,6 +4,11 @@
 and "pallas-interpret" the kernels in interpret mode (tests on a CPU). "auto" reads the platform
 once: the model's entry points (`forward`, `forward_dense`) resolve it before tracing their
 layers, so no layer reads the platform inside a trace.
+
+`resolve_platform` is the one reader of the default platform. The public entry points
+(`ji.generate`, the speculative loop, `ji.Engine`, `ji.score`, the eval windows) call it once on
+the host and pass the platform and a concrete backend down as static arguments, so no jitted
+function reads global platform state (`forward` resolves against `cache.platform`).
 """
 
 from __future__ import annotations
@@ -31,12 +36,25 @@ def lowering_for_gpu():
         _GPU_LOWERING.reset(token)
 
 
+def resolve_platform(platform: str | None = None) -> str:
+    """`platform` checked, or, if None, the default device's platform ("cpu", "gpu", "tpu").
+
+    Called on the host at a public boundary; the result travels down as a static value.
+    """
+    if platform is None:
+        return jax.default_backend()
+    if not isinstance(platform, str) or not platform:
+        raise ValueError(f"platform={platform!r}; expected a platform name such as 'cpu' or 'gpu'")
+    return platform
+
+
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """ "auto" -> "pallas" on GPU, "xla" elsewhere; validates the name.
 
     Args:
       backend: one of `BACKENDS`.
-      platform: the platform "auto" resolves for; default `jax.default_backend()`.
+      platform: the platform "auto" resolves for (and "pallas" is checked against); None:
+        `resolve_platform()`, read only for those two names.
 
     Returns:
       A concrete backend (never "auto").
@@ -47,10 +65,9 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
-    platform = platform or jax.default_backend()
     if backend == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    if backend == "pallas" and platform == "cpu" and not _GPU_LOWERING.get():
+        return "pallas" if resolve_platform(platform) == "gpu" else "xla"
+    if backend == "pallas" and resolve_platform(platform) == "cpu" and not _GPU_LOWERING.get():
         raise ValueError(
             'backend="pallas" runs the compiled Pallas kernels, which need a GPU, and this JAX '
             'runs on a CPU; use backend="pallas-interpret" to run the same kernels on a CPU '

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.generate import validate_requests
+from jaxinfer.requests import validate_requests
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative import loop
 from jaxinfer.speculative.cycle_log import (

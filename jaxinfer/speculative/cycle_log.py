@@ -75,8 +75,8 @@ def generate_with_log(
         target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
     )
     plan, tp, dp, inputs = prep.plan, prep.tparams, prep.dparams, prep.inputs
-    tp = loop_layout(tp)  # once, as the fused loop does: the phases then time the same layout
-    dp = None if dp is None else loop_layout(dp)
+    tp = loop_layout(tp, plan.platform)  # once, as the fused loop does: the same layout is timed
+    dp = None if dp is None else loop_layout(dp, plan.platform)
     state = prefill_run(prep)
     warm, t, q = draft_phase(tp, dp, state, inputs, plan=plan)
     jax.block_until_ready(verify_phase(tp, t, q, warm, inputs, plan=plan))

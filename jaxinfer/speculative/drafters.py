@@ -28,18 +28,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache.metadata import NULL_BLOCK, BatchMetadata
+from jaxinfer.cache.metadata import NULL_BLOCK, BatchMetadata, decode_batch, slots_of
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 
 Pick = Callable[[jax.Array, int | jax.Array], tuple[jax.Array, jax.Array]]
-
-
-def slots_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
-    """Flat cache slot of each `positions [B, ...]` through `tables [B, M]` -> `[B, ...]` int32."""
-    rows = jnp.arange(tables.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
-    return tables[rows, positions // block_size] * block_size + positions % block_size
 
 
 def catch_up_batch(
@@ -77,22 +71,6 @@ def catch_up_batch(
         block_tables=tables,  # [B, M]
         slot_mapping=scatter(slot, NULL_BLOCK * block_size),  # [T]; padding -> null block
         logits_indices=query_start[1:] - 1,  # [B] the row of position cur
-    )
-
-
-def decode_batch(
-    tokens: jax.Array, positions: jax.Array, tables: jax.Array, block_size: int
-) -> BatchMetadata:
-    """One token per sequence: `tokens [B]` at `positions [B]`."""
-    b = tokens.shape[0]
-    return BatchMetadata(
-        tokens=tokens,
-        positions=positions,
-        query_start=jnp.arange(b + 1, dtype=jnp.int32),
-        seq_lens=positions + 1,
-        block_tables=tables,
-        slot_mapping=slots_of(tables, positions, block_size),
-        logits_indices=jnp.arange(b, dtype=jnp.int32),
     )
 
 

@@ -38,18 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import (
-    BatchMetadata,
-    SeqChunk,
-    bucket,
-    build_metadata,
-    contiguous_block_tables,
-)
+from jaxinfer.cache.metadata import BatchMetadata, is_stop, query_batch, start_flags
 from jaxinfer.cache.paged import PagedKVCache, check_block_size, init_cache
 from jaxinfer.config import ModelConfig
-from jaxinfer.generate import GenerationOutput, stop_table, validate_requests
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.ops.backend import resolve_backend, resolve_platform
+from jaxinfer.requests import (
+    GenerationOutput,
+    new_tokens_bucket,
+    prompt_batch,
+    stop_table,
+    validate_requests,
+)
 from jaxinfer.sampling import (
     SamplingBatch,
     SamplingParams,
@@ -59,7 +60,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
-from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, slots_of
+from jaxinfer.speculative.drafters import draft_with_model, ngram_propose
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 ACCEPTANCE_MODES = ("rejection", "coupled")
@@ -80,15 +81,17 @@ class SpeculativeOutput(GenerationOutput):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything static about a run (hashable: one compilation per plan and shape bucket)."""
+class _SpecPlan:
+    """The static plan of a speculative run: models, γ, acceptance mode, cache and kernel
+    settings (hashable: one compilation per plan and shape bucket)."""
 
     cfg: ModelConfig
     dcfg: ModelConfig | None  # None: the n-gram drafter
     gamma: int
     acceptance: str
     block_size: int
-    backend: str
+    backend: str  # concrete (resolved by `prepare_run`)
+    platform: str  # "cpu", "gpu", ... resolved by `prepare_run`: loop layout and caches
     ngram_max: int
 
 
@@ -136,31 +139,23 @@ class CycleStats:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_stop(tokens: jax.Array, stops: jax.Array) -> jax.Array:
-    """`tokens [B, ...]` against `stops [B, n_stop]` -> bool `[B, ...]`."""
-    s = stops.reshape(stops.shape[:1] + (1,) * (tokens.ndim - 1) + stops.shape[1:])
-    return jnp.any(tokens[..., None] == s, axis=-1)
-
-
 def _prefill(
-    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend
+    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend, platform
 ) -> SpecState:
     """Writes every prompt into both caches and samples each first token (as `ji.generate`).
 
-    Independent of γ and the acceptance mode (static: the two configs, block size, backend), so
+    Independent of γ and the acceptance mode (static: configs, block size, backend, platform), so
     every γ of a sweep shares one prefill compilation; `_start` adds the γ-shaped fields.
     """
     b, m = inputs.tables.shape
-    tcache = init_cache(cfg, 1 + b * m, block_size)
+    tcache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
     logits, tcache = forward(tparams, cfg, meta, tcache, backend=backend)  # [B, V]
     first = sample(logits[:b], inputs.sb, prompt_lens)  # the token at position prompt_len
     dcache = None
     if dcfg is not None:
-        dcache = init_cache(dcfg, 1 + b * m, block_size)
+        dcache = init_cache(dcfg, 1 + b * m, block_size, platform=platform)
         _, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)
-    real = inputs.max_tokens > 0
-    n_out = real.astype(jnp.int32)
-    stopped = real & _is_stop(first, inputs.stops)
+    n_out, stopped, done = start_flags(first, inputs.max_tokens, inputs.stops)
     return SpecState(
         tcache=tcache,
         dcache=dcache,
@@ -168,7 +163,7 @@ def _prefill(
         cur=prompt_lens,
         dlen=prompt_lens,
         n_out=n_out,
-        done=~real | stopped | (n_out >= inputs.max_tokens),
+        done=done,
         stopped=stopped,
         cycles=jnp.zeros(b, jnp.int32),
         accept_hist=jnp.zeros((b, 0), jnp.int32),  # sized by _start
@@ -176,7 +171,7 @@ def _prefill(
     )
 
 
-def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
     del tparams  # same signature as _verify, so both drivers call the phases alike
     if plan.dcfg is None:
@@ -213,31 +208,22 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
     return jax.lax.cond(jnp.all(greedy), lambda: (g_tok, g_n), mixed)
 
 
-def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
+def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     """Verify + accept + commit: `(new state, CycleStats)`."""
-    gamma, s = plan.gamma, plan.block_size
+    gamma = plan.gamma
     b, c = state.hist.shape
     rows = jnp.arange(b)
     g1 = gamma + 1
     last = state.hist[rows, state.cur]  # [B]
     tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, γ+1]
-    pos = state.cur[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]  # [B, γ+1]
-    batch = BatchMetadata(
-        tokens=tokens.reshape(-1),
-        positions=pos.reshape(-1),
-        query_start=jnp.arange(b + 1, dtype=jnp.int32) * g1,
-        seq_lens=state.cur + g1,
-        block_tables=inputs.tables,
-        slot_mapping=slots_of(inputs.tables, pos, s).reshape(-1),
-        logits_indices=jnp.arange(b * g1, dtype=jnp.int32),
-    )
+    batch = query_batch(tokens, state.cur, inputs.tables, plan.block_size)  # cur..cur+γ
     logits, tcache = forward(tparams, plan.cfg, batch, state.tcache, backend=plan.backend)
     logits = logits.reshape(b, g1, -1)  # [B, γ+1, V] predictions for positions cur+1..cur+γ+1
     out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
 
     # Cut the commit at the first stop token and at max_tokens; finished rows commit nothing.
     slot = jnp.arange(g1)[None, :]  # [1, γ+1]
-    stop_at = _is_stop(out, inputs.stops) & (slot < num_emitted[:, None])  # [B, γ+1]
+    stop_at = is_stop(out, inputs.stops) & (slot < num_emitted[:, None])  # [B, γ+1]
     has_stop = jnp.any(stop_at, axis=1)
     first_stop = jnp.argmax(stop_at, axis=1)
     live = ~state.done
@@ -267,9 +253,9 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     return new, CycleStats(live=live, accepted=jnp.where(live, accepted, 0), committed=n)
 
 
-def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Plan):
-    tparams = loop_layout(tparams)  # sliced once, outside the cycle loop
-    dparams = None if dparams is None else loop_layout(dparams)
+def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
+    tparams = loop_layout(tparams, plan.platform)  # sliced once, outside the cycle loop
+    dparams = None if dparams is None else loop_layout(dparams, plan.platform)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
     limit = jnp.max(inputs.max_tokens)
 
@@ -286,7 +272,9 @@ def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _
     return jax.lax.while_loop(cond, body, state)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "dcfg", "block_size", "backend"))
+_prefill_jit = jax.jit(
+    _prefill, static_argnames=("cfg", "dcfg", "block_size", "backend", "platform")
+)
 # The two halves of a cycle, jitted alone for the host-driven, timed driver (cycle_log.py).
 draft_phase = jax.jit(_draft, static_argnames=("plan",))
 verify_phase = jax.jit(_verify, static_argnames=("plan",))
@@ -302,7 +290,7 @@ _loop_jit = jax.jit(_run_loop, static_argnames=("plan",))
 class PreparedRun:
     """A validated, bucketed request batch: what both drivers start from (host side)."""
 
-    plan: _Plan
+    plan: _SpecPlan
     tparams: dict
     dparams: dict | None
     meta: BatchMetadata
@@ -373,31 +361,23 @@ def prepare_run(
             check_params(dcfg, dparams)
         except ValueError as e:
             raise ValueError(f"draft: {e}") from None
-    n, b = len(prompts), bucket(len(prompts))
-    lens = [len(p) for p in prompts]
-    max_new = bucket(max(sp.max_tokens for sp in sampling), 8)
-    m = bucket(-(-(max(lens) + max_new + gamma + 1) // block_size))
-    tables = contiguous_block_tables(b, m)
-    chunks = [SeqChunk(list(map(int, p)), 0, tables[i]) for i, p in enumerate(prompts)]
-    meta, _ = build_metadata(
-        chunks, block_size, num_tokens=bucket(sum(lens), 16), num_seqs=b, max_blocks=m,
-        num_logits=b,
-    )  # fmt: skip
+    max_new = new_tokens_bucket(sampling)
+    capacity = max(len(p) for p in prompts) + max_new + gamma + 1
+    batch = prompt_batch(prompts, sampling, block_size, capacity=capacity)
+    b, m = batch.tables.shape
     hist = np.zeros((b, m * block_size), np.int32)
-    prompt_lens = np.zeros(b, np.int32)
-    max_tokens = np.zeros(b, np.int32)
-    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+    for i, p in enumerate(prompts):
         hist[i, : len(p)] = p
-        prompt_lens[i] = len(p)
-        max_tokens[i] = sp.max_tokens
     inputs = SpecInputs(
-        tables=tables,
+        tables=batch.tables,
         sb=SamplingBatch.from_params(sampling, pad_to=b),
         stops=stop_table(cfg, sampling, b),
-        max_tokens=max_tokens,
+        max_tokens=batch.max_tokens,
     )
-    plan = _Plan(cfg, dcfg, gamma, acceptance, block_size, backend, ngram_max)
-    return PreparedRun(plan, tparams, dparams, meta, hist, prompt_lens, inputs, n)
+    platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
+    backend = resolve_backend(backend, platform)
+    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max)
+    return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 
 def collect_outputs(prep: PreparedRun, state: SpecState) -> list[SpeculativeOutput]:
@@ -428,6 +408,7 @@ def prefill_run(prep: PreparedRun) -> SpecState:
     state = _prefill_jit(
         prep.tparams, prep.dparams, prep.meta, prep.hist, prep.prompt_lens, prep.inputs,
         cfg=plan.cfg, dcfg=plan.dcfg, block_size=plan.block_size, backend=plan.backend,
+        platform=plan.platform,
     )  # fmt: skip
     b = prep.hist.shape[0]
     return dataclasses.replace(state, accept_hist=jnp.zeros((b, plan.gamma + 1), jnp.int32))

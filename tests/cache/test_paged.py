@@ -67,10 +67,10 @@ def test_take_and_scatter_equal_plain_indexing_bit_for_bit(dtype):
     assert not np.array_equal(as_bits(got), as_bits(pages))  # something was written
 
 
-def test_float8_pools_take_the_plain_ops_off_cpu(monkeypatch):
+def test_float8_pools_take_the_plain_ops_off_cpu():
     from jaxinfer.cache import paged
 
-    assert paged._through_bytes(jnp.float8_e4m3fn)
-    assert not paged._through_bytes(jnp.int8) and not paged._through_bytes(jnp.float32)
-    monkeypatch.setattr(paged.jax, "default_backend", lambda: "gpu")
-    assert not paged._through_bytes(jnp.float8_e4m3fn)
+    assert paged._through_bytes(jnp.float8_e4m3fn, "cpu")
+    assert not paged._through_bytes(jnp.int8, "cpu")
+    assert not paged._through_bytes(jnp.float32, "cpu")
+    assert not paged._through_bytes(jnp.float8_e4m3fn, "gpu")

@@ -20,7 +20,8 @@ import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.engine import engine as engine_mod
-from jaxinfer.engine.engine import _copy_groups, _stop_ids
+from jaxinfer.engine.engine import _copy_groups
+from jaxinfer.requests import stop_ids
 from jaxinfer.sampling import SamplingBatch, process_logits
 from tests.helpers import random_params
 
@@ -405,9 +406,9 @@ def test_copy_groups_keep_sequential_semantics():
 
 def test_stop_ids_and_config_validation():
     eos_cfg = CFG.replace(eos_token_id=5)
-    assert _stop_ids(eos_cfg, ji.SamplingParams(stop_token_ids=(9,))) == (5, 9)
-    assert _stop_ids(eos_cfg, ji.SamplingParams(stop_token_ids=(9,), ignore_eos=True)) == (9,)
-    assert _stop_ids(CFG, ji.SamplingParams()) == ()
+    assert stop_ids(eos_cfg, ji.SamplingParams(stop_token_ids=(9,))) == (5, 9)
+    assert stop_ids(eos_cfg, ji.SamplingParams(stop_token_ids=(9,), ignore_eos=True)) == (9,)
+    assert stop_ids(CFG, ji.SamplingParams()) == ()
     for bad, match in [
         ({"block_size": 0}, "block_size"),
         ({"num_blocks": 1}, "num_blocks"),

@@ -9,7 +9,6 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.model import params as params_mod
 from jaxinfer.model.params import LINEAR_NAMES, inference_layout, loop_layout
 from jaxinfer.qtensor import Int4Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
@@ -108,9 +107,8 @@ def test_forward_rejects_wrong_layer_count():
         ji.forward(params, cfg, meta, ji.init_cache(cfg, 2, BLOCK))
 
 
-def test_loop_layout_only_on_a_cpu(monkeypatch):
+def test_loop_layout_only_on_a_cpu():
     params = random_params(ji.preset("tiny-llama"))
-    laid = loop_layout(params)
-    assert isinstance(laid["layers"], tuple)  # this suite runs on a CPU
-    monkeypatch.setattr(params_mod.jax, "default_backend", lambda: "gpu")
-    assert loop_layout(params) is params
+    laid = loop_layout(params, "cpu")
+    assert isinstance(laid["layers"], tuple)
+    assert loop_layout(params, "gpu") is params

@@ -7,6 +7,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
+from jaxinfer.generate import _generate_core
 from jaxinfer.ops import resolve_backend
 from tests.helpers import random_params
 
@@ -80,3 +81,38 @@ def test_pallas_on_cpu_says_it_needs_a_gpu():
     assert resolve_backend("pallas-interpret") == "pallas-interpret"
     with ji.ops.lowering_for_gpu():  # tracing for a CUDA lowering (kernel_compile_check)
         assert resolve_backend("pallas") == "pallas"
+
+
+def test_entry_points_read_the_platform_once_on_the_host(monkeypatch):
+    """Item 6 of issue 14: the platform is resolved at the boundary and passed down static, so a
+    fresh trace of the decode loops reads it no more (before: loop layout, cache and every
+    forward read `jax.default_backend()` while tracing)."""
+    cfg = ji.preset("tiny-llama").replace(eos_token_id=None)
+    params = random_params(cfg, seed=7)
+    calls = []
+    real = jax.default_backend
+    monkeypatch.setattr(jax, "default_backend", lambda: calls.append(1) or real())
+    before = _generate_core._cache_size()
+    prompts = [[5] * 21, [6] * 2, [7] * 9]  # a batch shape no other test uses: a fresh trace
+    out = ji.generate(cfg, params, prompts, ji.SamplingParams(temperature=0, max_tokens=37))
+    assert _generate_core._cache_size() == before + 1 and len(out[0].token_ids) == 37
+    assert len(calls) == 1, f"jax.default_backend() read {len(calls)} times"
+    calls.clear()
+    spec = ji.speculative.generate(
+        (cfg, params), "ngram", prompts, ji.SamplingParams(temperature=0, max_tokens=19), gamma=3
+    )
+    assert [len(o.token_ids) for o in spec] == [19] * 3
+    assert len(calls) == 1, f"jax.default_backend() read {len(calls)} times"
+    calls.clear()
+    engine = ji.Engine(cfg, params, ji.EngineConfig(block_size=8, num_blocks=64))
+    got = engine.generate(prompts, ji.SamplingParams(temperature=0, max_tokens=5))
+    assert [o.token_ids for o in got] == [o.token_ids[:5] for o in out]
+    assert len(calls) == 1, f"jax.default_backend() read {len(calls)} times"
+
+
+def test_init_cache_under_jit_needs_the_platform():
+    cfg = ji.preset("tiny-llama")
+    with pytest.raises(ValueError, match="init_cache.*platform"):
+        jax.jit(lambda: ji.init_cache(cfg, 2, 4).k)()
+    assert jax.jit(lambda: ji.init_cache(cfg, 2, 4, platform="cpu").k)().shape[1] == 2
+    assert ji.init_cache(cfg, 2, 4).platform == jax.devices()[0].platform
