@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.cache.paged import init_cache
-from jaxinfer.model.params import check_params
+from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.speedup import expected_tokens_per_cycle
 
@@ -142,7 +142,7 @@ def init_speculation(engine, detokenize) -> None:
     """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
     controller, cycle log; all None without speculation."""
     spec = engine.spec = engine.config.speculative
-    engine.dcache = None
+    engine.dcache = engine.draft_model = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
     engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
     if spec is None:
@@ -151,6 +151,11 @@ def init_speculation(engine, detokenize) -> None:
     if spec.draft_model is not None:
         dcfg, dparams = spec.draft_model
         check_params(dcfg, dparams)
+        # The drafter runs on the target's layout policy (EngineConfig.layout).
+        engine.draft_model = (
+            dcfg,
+            loop_layout(dparams) if engine.config.layout == "auto" else dparams,
+        )
         # Same block ids as the target's cache (see speculation.py): one allocator for both.
         engine.dcache = init_cache(dcfg, engine.config.num_blocks, engine.config.block_size)
     engine.spec_counters = SpecCounters(spec.max_gamma)

@@ -44,28 +44,30 @@ from collections.abc import Sequence as SequenceABC
 import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
-from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.cache.metadata import bucket
 from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import recovery, speculation
+from jaxinfer.engine.buckets import measure_token_buckets
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.cycles import account, init_speculation
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler
-from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
+from jaxinfer.engine.step import (  # noqa: F401  (_step, _copy, _copy_groups: re-exported)
     _Batch,
     _copy,
     _copy_groups,
     _host_logprobs,
-    _padded,
     _step,
     _step_logprobs,
+    apply_copies,
+    build_batch,
 )
 from jaxinfer.generate import GenerationOutput, validate_requests
-from jaxinfer.model.params import check_params
-from jaxinfer.sampling import SamplingBatch, SamplingParams
+from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -119,10 +121,16 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         check_params(cfg, params)
-        # Params as given. `inference_layout` pays off inside compiled loops (`ji.generate`, the
-        # speculative loop); with one compiled call per step it measured 2-20% slower at batch
-        # 1-32 on the shipped target.
+        # On a CPU the step runs on `inference_layout` (config.layout): a scan over stacked
+        # weights copies them every step (experiments/engine_step_profile.py).
+        if config.layout == "auto":
+            params = loop_layout(params)
         self.cfg, self.params, self.config = cfg, params, config
+        # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py).
+        lo = config.min_token_bucket
+        self.token_buckets = (
+            measure_token_buckets(cfg, lo) if config.token_buckets == "measured" else (bucket(lo),)
+        )  # fmt: skip
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
         self.cache = init_cache(cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format)
@@ -348,7 +356,6 @@ class Engine:
         return stream
 
     # ------------------------------------------------------------------------ failures
-    # ------------------------------------------------------------------------ failures
 
     def _recover(self, schedule: Schedule, error: Exception) -> list[StreamOutput]:
         """Undoes a failed step and fails its requests (see `step`)."""
@@ -393,42 +400,10 @@ class Engine:
             )  # fmt: skip
 
     def _apply_copies(self, copies: SequenceABC[tuple[int, int]]) -> None:
-        for group in _copy_groups(copies):
-            n = bucket(len(group))
-            src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
-            dst = np.zeros(n, np.int32)
-            src[: len(group)], dst[: len(group)] = zip(*group)
-            self.cache = _copy(self.cache, src, dst)
-            if self.dcache is not None:
-                self.dcache = _copy(self.dcache, src, dst)
+        apply_copies(self, copies)
 
     def _build(self, schedule: Schedule) -> _Batch:
-        """The padded device batch of a schedule (host only)."""
-        cfg = self.config
-        S = cfg.block_size
-        seqs = schedule.seqs
-        chunks = [
-            SeqChunk(s.token_ids, s.start_pos, s.block_table, "last" if s.sample else "none")
-            for s in seqs
-        ]
-        n_rows = sum(len(s.sample_seq_ids) for s in seqs)
-        b = bucket(max(len(seqs), n_rows), cfg.min_seq_bucket)
-        t = bucket(schedule.num_batched_tokens, cfg.min_token_bucket)
-        m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
-        meta, owner = build_metadata(
-            chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b
-        )
-        # One sample row per sampled sequence id: the logits row of its chunk, the position its
-        # token will occupy, its sample index and its request's settings.
-        row_of = {c: r for r, c in enumerate(owner.tolist()) if c >= 0}  # chunk -> logits row
-        rows = [(i, sid) for i, s in enumerate(seqs) for sid in s.sample_seq_ids]  # [R]
-        ids = [sid for _, sid in rows]
-        src = _padded([row_of[i] for i, _ in rows], b)
-        pos = _padded([seqs[i].start_pos + len(seqs[i].token_ids) for i, _ in rows], b)
-        index = _padded([self._sample_index[sid] for sid in ids], b)
-        sps = [self._live[seqs[i].request_id].sampling for i, _ in rows]
-        sb = SamplingBatch.from_params(sps, pad_to=b)
-        return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps))
+        return build_batch(self, schedule)
 
     def _run(self, batch: _Batch) -> dict[int, tuple[int, int]]:
         """Runs the jitted step; returns seq id -> (sampled token, or -1 for non-finite logits;
@@ -436,16 +411,13 @@ class Engine:
         self.step_shapes[batch.shape] += 1
         self._step_logprobs = {}
         k = max((sp.logprobs for sp in batch.sps if sp.logprobs is not None), default=None)
+        args = (self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index)
         if k is None:
-            tokens, self.cache = _step(
-                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
-                cfg=self.cfg, backend=self.config.backend,
-            )  # fmt: skip
+            tokens, self.cache = _step(*args, cfg=self.cfg, backend=self.config.backend)
         else:  # top-k padded to a power of two: few compilations
             (tokens, lp), self.cache = _step_logprobs(
-                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
-                cfg=self.cfg, backend=self.config.backend, num_logprobs=bucket(max(k, 1)),
-            )  # fmt: skip
+                *args, cfg=self.cfg, backend=self.config.backend, num_logprobs=bucket(max(k, 1))
+            )
             self._step_logprobs = _host_logprobs(batch.ids, batch.sps, *(np.asarray(x) for x in lp))
         tokens = np.asarray(tokens).tolist()  # [B] the only device -> host transfer
         return {sid: (tok, p) for sid, tok, p in zip(batch.ids, tokens, batch.pos.tolist())}
