@@ -8,8 +8,10 @@ costs about the same at 1 and 16 rows. So the engine measures instead of assumin
     buckets = measure_token_buckets(cfg, lo=1, hi=16)   # e.g. (1, 2, 4, 16) on a CPU
     t = pad_tokens(n, buckets)                          # the smallest kept bucket >= n; then 2^k
 
-The cost table times the step's dominant operation, the MLP's `[T, E] @ [E, F]` product in the
-model's dtype, at each power of two T in lo..hi (a few ms of compilation, not a model step's).
+The cost table times one product of the step's size class, the output projection `[T, E] @
+[E, V]` in the model's dtype (memory-bound as the whole step is: a smaller product stays in cache
+and its dispatch hides the cost of its rows), at each power of two T in lo..hi: a few ms of
+compilation, not a model step's.
 Going down from hi, a bucket is kept when it costs at most `1 - margin` of the smallest bucket
 kept above it: padding a step to the next kept bucket then costs less than `margin` more, and
 each dropped bucket is one compilation fewer. Past hi, T is a power of two as before.
@@ -35,22 +37,21 @@ _REPEATS = 15  # timed calls per T; the table keeps the minimum (the least distu
 @functools.partial(jax.jit, static_argnames=("rows",))
 def _probe(w: jax.Array, rows: int) -> jax.Array:
     x = jnp.ones((rows, w.shape[0]), w.dtype)  # [T, E]
-    return x @ w  # [T, F]
+    return x @ w  # [T, V]
 
 
 def cost_table(cfg: ModelConfig, sizes: Sequence[int]) -> dict[int, float]:
-    """Seconds of one `[T, E] @ [E, F]` product (the model's MLP, its dtype) for each T in
-    `sizes`, the minimum of `_REPEATS` timed calls after a compiling one."""
-    w = jnp.ones((cfg.hidden_size, cfg.intermediate_size), cfg.jnp_dtype)  # [E, F]
-    table = {}
+    """Seconds of one `[T, E] @ [E, V]` product (the output projection, the model's dtype) for
+    each T in `sizes`, the minimum of `_REPEATS` round-robin calls after a compiling one."""
+    w = jnp.ones((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)  # [E, V]
     for t in sizes:
         _probe(w, t).block_until_ready()  # compiles
-        best = np.inf
-        for _ in range(_REPEATS):
+    table = dict.fromkeys(sizes, np.inf)
+    for _ in range(_REPEATS):  # round-robin: a busy spell of a shared machine hits every T
+        for t in sizes:
             t0 = time.perf_counter()
             _probe(w, t).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        table[t] = best
+            table[t] = min(table[t], time.perf_counter() - t0)
     return table
 
 

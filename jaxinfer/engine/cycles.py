@@ -11,7 +11,8 @@
 
 **Controller** (`GammaController`): picks γ in 0..max_gamma for the step, maximising the batch's
 expected committed tokens per second, B · E[tokens | γ] / t(γ, B). t is a table of measured step
-times (draft + verify seconds) keyed by (γ, padded B), refined online: a cell's first sample
+times (the whole `Engine.step`, host work included, not only draft + verify: the committed tokens
+per second a client sees) keyed by (γ, padded B), refined online: a cell's first sample
 (which includes compilation) is dropped, the estimate is the median of its last samples, and a
 cell with no estimate yet is tried before any choice is made (exploration, once per cell), unless
 `warm_up` measured it first over the compiled buckets. Only decode-only steps are timed. α_j
@@ -102,7 +103,7 @@ class GammaController:
         return max(pred, key=lambda g: pred[g]), pred
 
     def observe(self, gamma: int, batch: int, seconds: float) -> None:
-        """A step of `batch` decoding requests at `gamma` took `seconds` (draft + verify)."""
+        """A step of `batch` decoding requests at `gamma` took `seconds` (the whole step)."""
         key = (gamma, bucket(max(batch, 1)))
         self.seen[key] += 1
         if self.seen[key] == 1:
@@ -145,6 +146,7 @@ def init_speculation(engine, detokenize) -> None:
     engine.dcache = engine.draft_model = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
     engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
+    engine._observe = None  # (γ, batch) of a decode-only step, timed by Engine.step
     if spec is None:
         return
     spec.check_target(engine.cfg)
@@ -169,10 +171,11 @@ def account(engine, schedule, record: dict, outs) -> None:
     """Counters, controller timings and the cycle log of a speculative step."""
     committed = {o.seq_id: o.new_token_ids for o in outs}
     gmax = max((s.num_lookahead for s in schedule.seqs), default=0)
-    seconds = (record["draft_ms"] + record["verify_ms"]) / 1e3
     if all(len(s.token_ids) == 1 and s.sample for s in schedule.seqs):
-        # Decode-only steps: the shape the controller predicts (prefill chunks cost more).
-        engine.controller.observe(gmax, len(schedule.seqs), seconds)
+        # Decode-only steps: the shape the controller predicts (prefill chunks cost more). The
+        # engine times the whole step (host work included: on a small model it is most of the
+        # step) and hands it to `controller.observe` when the step ends.
+        engine._observe = (gmax, len(schedule.seqs))
     lines = []
     for sid, (gamma, proposed, accepted) in record["rows"].items():
         engine.spec_counters.add(gamma, accepted)

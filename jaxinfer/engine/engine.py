@@ -263,6 +263,8 @@ class Engine:
           One StreamOutput per sample that received tokens, or failed, this step, in schedule
           order (failed requests last).
         """
+        t_start = time.perf_counter()  # the controller's step time: the whole step, host included
+        self._observe = None
         if self.spec is None:
             schedule = self.scheduler.schedule()
         else:
@@ -353,6 +355,8 @@ class Engine:
             prefix_cache_hits=self.allocator.prefix_cache_hits,
             prefix_cache_queries=self.allocator.prefix_cache_queries,
         )
+        if self._observe is not None:  # a decode-only speculative step (cycles.account)
+            self.controller.observe(*self._observe, time.perf_counter() - t_start)
         return stream
 
     # ------------------------------------------------------------------------ failures
