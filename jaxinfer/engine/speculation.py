@@ -72,6 +72,7 @@ def _draft_model(
     sb: SamplingBatch,  # [Bd]
     cur: jax.Array,  # [Bd] int32 position n of each request's last committed token
     tables: jax.Array,  # [Bd, Md] int32, lookahead blocks included, null-padded
+    index: jax.Array,  # [Bd] int32 sample index: forks of an n > 1 request draft their own noise
     *,
     dcfg: ModelConfig,
     backend: str,
@@ -80,7 +81,7 @@ def _draft_model(
     acceptance: str,
 ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
     """γ draft tokens per drafting request and their q: `([Bd, γ], [Bd, γ, V]), dcache`."""
-    pick = make_pick(sb, cur, acceptance)
+    pick = make_pick(sb, cur, acceptance, index)
     logits, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)  # [N, V]
     tok, q = pick(logits[first_rows], 0)  # d_1 at position n + 1
 
@@ -225,8 +226,10 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
             cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
             meta, first, tables = build_mirror(engine, schedule, spec_idx, bd, gstep)
             sbd = SamplingBatch.from_params(sps_d, pad_to=bd)
+            dindex = np.zeros(bd, np.int32)
+            dindex[: len(spec_idx)] = [engine._sample_index[seqs[i].seq_id] for i in spec_idx]
             (d, q), engine.dcache = _draft_model(
-                dm[1], engine.dcache, meta, first, sbd, cur, tables, dcfg=dm[0],
+                dm[1], engine.dcache, meta, first, sbd, cur, tables, dindex, dcfg=dm[0],
                 backend=cfg.backend, gamma=gstep, block_size=S, acceptance=spec.acceptance,
             )  # fmt: skip
             dtok = np.asarray(d)
