@@ -44,6 +44,7 @@ from absl import app, flags, logging
 import jaxinfer as ji
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.engine import SLO, MetricsCollector, workload
+from jaxinfer.engine.cycles import warm_up
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
 from jaxinfer.memory import tree_bytes
@@ -455,8 +456,11 @@ def main(argv):
     warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
     warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
     for system in bc.all_systems:
-        if system.startswith("spec_"):  # prefill buckets, then one short decode per batch size
-            warm_engine(cfg, params, engine_config(bc, system), bc.max_len)
+        if system.startswith("spec_"):  # prefill buckets, then decodes at every γ and batch
+            ecfg = engine_config(bc, system)
+            warm_engine(cfg, params, ecfg, bc.max_len)
+            sizes = [1 << k for k in range(min(bc.max_num_seqs, bc.num_requests).bit_length())]
+            warm_up(ji.Engine(cfg, params, ecfg), batch_sizes=tuple(sizes))
     engine_compiles = engine_step._cache_size()
     slo = derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
