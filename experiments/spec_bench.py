@@ -78,7 +78,12 @@ _QUICK = flags.DEFINE_bool(
 _TARGET = flags.DEFINE_string("target", None, "Target HF dir; default: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft HF dir; default: the shipped draft.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "0.8"], "Sampling temperatures.")
-_GAMMAS = flags.DEFINE_list("gammas", ["1", "2", "3", "4", "6", "8"], "Drafted tokens per cycle.")
+_GAMMAS = flags.DEFINE_list(
+    "gammas", ["1", "2", "3", "4", "6", "8"], "Drafted tokens per cycle; 'auto' (autotune) too."
+)
+_AUTO = flags.DEFINE_bool(
+    "auto", False, "Also run gamma='auto' (the speedup model's choice, calibration included)."
+)
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _DRAFTERS = flags.DEFINE_list("drafters", ["model", "ngram"], "Drafters: model, ngram.")
 _ACCEPTANCE = flags.DEFINE_list("acceptance", ["rejection", "coupled"], "Acceptance modes.")
@@ -111,6 +116,7 @@ class BenchConfig:
 
     temperatures: tuple[float, ...]
     gammas: tuple[int, ...]
+    auto: bool  # also a gamma="auto" cell per setting (its calibration run is timed with it)
     batch_sizes: tuple[int, ...]
     drafters: tuple[str, ...]  # "model" (the draft checkpoint) and / or "ngram"
     acceptance: tuple[str, ...]
@@ -135,6 +141,7 @@ def _resolve() -> BenchConfig:
     return BenchConfig(
         temperatures=tuple(float(t) for t in _TEMPERATURES.value),
         gammas=pick(_GAMMAS, int, (2, 4)),
+        auto=_AUTO.value,
         batch_sizes=pick(_BATCH_SIZES, int, (1,)),
         drafters=tuple(_DRAFTERS.value),
         acceptance=tuple(_ACCEPTANCE.value),
@@ -279,7 +286,7 @@ def _bench_all(bc, target, draft, prompts) -> tuple[dict, list[dict]]:
         (name, b, g, mode)
         for name in bc.drafters
         for b in bc.batch_sizes
-        for g in bc.gammas
+        for g in bc.gammas + (("auto",) if bc.auto else ())
         for mode in bc.acceptance
     ]
     for name, b, gamma, mode in grid:
@@ -305,6 +312,8 @@ def _bench_all(bc, target, draft, prompts) -> tuple[dict, list[dict]]:
             continue
         name, b, gamma, mode, temp = key
         outs = m.pop("outs")
+        auto = gamma == "auto"
+        gamma = len(outs[0].accepted_histogram) - 1  # auto: the γ it chose
         counts = np.concatenate(
             [np.repeat(np.arange(gamma + 1), o.accepted_histogram) for o in outs]
         )
@@ -318,6 +327,7 @@ def _bench_all(bc, target, draft, prompts) -> tuple[dict, list[dict]]:
             {
                 "drafter": name, "temperature": temp,
                 "acceptance": "greedy" if temp == 0 else mode, "batch": b, "gamma": gamma,
+                "auto": auto,
                 "alpha": [None if np.isnan(a) else float(a) for a in alpha],
                 "pooled_alpha": pooled_alpha(counts, gamma),
                 "tokens_per_cycle": tpc,
@@ -369,7 +379,7 @@ def _predict(rows, costs, plain) -> None:
     by_setting = {}
     for r in rows:
         key = (r["drafter"], r["temperature"], r["acceptance"], r["batch"])
-        if r["gamma"] > by_setting.get(key, {"gamma": 0})["gamma"]:
+        if not r["auto"] and r["gamma"] > by_setting.get(key, {"gamma": 0})["gamma"]:
             by_setting[key] = r
     for r in rows:
         ref = by_setting[(r["drafter"], r["temperature"], r["acceptance"], r["batch"])]
@@ -485,7 +495,8 @@ def _table(rows, plain, hf, note) -> str:
         dsp, ssp, gbs = r["decode_tok_s_spread"], r["speedup_spread"], r["weight_gbs"]
         lines.append(
             f"| {r['drafter']} | {r['temperature']:g} | {r['acceptance']} | {r['batch']} | "
-            f"{r['gamma']} | {r['pooled_alpha']:.2f} | {r['tokens_per_cycle']:.2f} | "
+            f"{'auto→' if r['auto'] else ''}{r['gamma']} | {r['pooled_alpha']:.2f} | "
+            f"{r['tokens_per_cycle']:.2f} | "
             f"{r['predicted_tokens_per_cycle']:.2f} | {r['tok_s']:.0f} | "
             f"{'-' if dec is None else f'{dec:.0f} ({dsp[0]:.0f}-{dsp[1]:.0f})'} | "
             f"{'-' if gbs is None else f'{gbs:.2f}'} | {r['speedup_e2e']:.2f}x | "

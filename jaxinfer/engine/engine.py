@@ -14,9 +14,11 @@ Each `step()` asks the `Scheduler` (host only) for a `Schedule`, applies its cop
 copies with one jitted call, turns its sequences into a ragged `BatchMetadata` and runs one jitted
 step: the model forward over the paged cache, then sampling on the device. Only the sampled token
 ids (`[B]` int32, -1 where a row of logits is not finite) come back to the host. The cache is
-donated to both calls, so it is updated in place. T (tokens), B (sequences = logits rows = sample
-rows) and M (blocks per sequence) are padded to powers of two, so a run compiles at most once per
-distinct (T, B, M); tests count compilations with `_step._cache_size()`.
+donated to both calls, so it is updated in place. B (sequences = logits rows = sample rows) and M
+(blocks per sequence) are padded to powers of two, T (tokens) to the buckets a cost table measured
+at construction keeps (`buckets.py`), so a run compiles at most once per distinct (T, B, M);
+tests count compilations with `_step._cache_size()`. On a CPU the step runs on the params'
+`inference_layout` (`EngineConfig.layout`).
 
 Sampling is `jaxinfer.sampling.sample` with each row's `sample_index`: sample 0 of a request draws
 the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request gives exactly
