@@ -41,6 +41,8 @@ class EngineConfig:
       layout: params layout the step runs on: "auto" takes `inference_layout` on a CPU (a
         `lax.scan` over stacked weights copies every layer's weights each step there: ~2x the
         step of SmolLM2-135M at one request), the params as given elsewhere; "stacked": as given.
+        The layout is a copy: while the caller keeps its stacked params, the weights are held
+        twice (plus a tied model's `lm_head`); "stacked" when memory is short.
       min_block_bucket: smallest padded M (blocks per sequence), for the same reason.
       min_seq_bucket: smallest padded B; `max_num_seqs` fixes B, leaving T and M to vary.
       speculative: speculative decoding (`ji.SpeculativeConfig`); None: plain decoding.
