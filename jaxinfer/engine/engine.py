@@ -47,8 +47,8 @@ import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.distributed.engine_mesh import place_engine
 from jaxinfer.engine import recovery, speculation
 from jaxinfer.engine.buckets import measure_token_buckets
 from jaxinfer.engine.config import EngineConfig
@@ -123,10 +123,6 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         check_params(cfg, params)
-        # On a CPU the step runs on `inference_layout` (config.layout): a scan over stacked
-        # weights copies them every step (experiments/engine_step_profile.py).
-        if config.layout == "auto":
-            params = loop_layout(params)
         self.cfg, self.params, self.config = cfg, params, config
         # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py).
         lo = config.min_token_bucket
@@ -135,7 +131,12 @@ class Engine:
         )  # fmt: skip
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
-        self.cache = init_cache(cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format)
+        self.mesh = place_engine(self)  # the cache; with EngineConfig.mesh, all on the TP mesh
+        # On a CPU the step runs on `inference_layout` (config.layout): a scan over stacked
+        # weights copies them every step (experiments/engine_step_profile.py). Not measured on a
+        # TP mesh: the params stay as placed there.
+        if config.layout == "auto" and self.mesh is None:
+            self.params = loop_layout(self.params)
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)
