@@ -68,7 +68,7 @@ from jaxinfer.engine.step import (  # noqa: F401  (_step, _copy, _copy_groups: r
     build_batch,
 )
 from jaxinfer.generate import GenerationOutput, validate_requests
-from jaxinfer.model.params import check_params, loop_layout
+from jaxinfer.model.params import check_params, remembered_loop_layout
 from jaxinfer.sampling import SamplingParams
 
 
@@ -136,7 +136,7 @@ class Engine:
         # weights copies them every step (experiments/engine_step_profile.py). Not measured on a
         # TP mesh: the params stay as placed there.
         if config.layout == "auto" and self.mesh is None:
-            self.params = loop_layout(self.params)
+            self.params = remembered_loop_layout(self.params)  # shared with ji.generate
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)
