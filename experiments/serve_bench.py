@@ -35,7 +35,6 @@ import math
 import os
 import sys
 import time
-import zlib
 
 import jax
 import numpy as np
@@ -44,9 +43,11 @@ from absl import app, flags, logging
 import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.engine import SLO, MetricsCollector
+from jaxinfer.engine import SLO, MetricsCollector, workload
+from jaxinfer.engine.cycles import warm_up
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
+from jaxinfer.memory import tree_bytes
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_bench", "Output directory.")
 _CONFIG = common.config_flag()
@@ -86,14 +87,26 @@ _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
     "Engines' smallest padded T.",
     lower_bound=1,
 )
-WORKLOADS = ("sharegpt", "shared_prefix", "long_prompt")
+_SYSTEMS = flags.DEFINE_list(
+    "systems", ["static", "no_chunking", "no_prefix", "engine"], "Baseline systems to run."
+)
+_SPEC = flags.DEFINE_list(
+    "spec", [], "Speculative engines beside 'engine' (= speculation off): gammas or 'auto'."
+)
+_DRAFTER = flags.DEFINE_enum(
+    "drafter", "ngram", ["ngram", "model"], "Drafter of --spec ('model': the shipped draft)."
+)
+_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ cap of --spec engines.", lower_bound=1)
+WORKLOADS = workload.WORKLOADS
 flag_checks.choice_list(_WORKLOADS, WORKLOADS)
+flag_checks.choice_list(_SYSTEMS, ("static", "no_chunking", "no_prefix", "engine"))
 flag_checks.float_list(_RATES, above=0.0, allow_empty=True)
 flag_checks.float_list(_RATE_FRACTIONS, above=0.0)
 flag_checks.number(_SLO_TTFT, above=0.0)
 flag_checks.number(_SLO_TPOT, above=0.0)
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
+_DRAFT_MODEL: list = []  # (cfg, params) of the model drafter, set by main
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,60 +129,35 @@ class BenchConfig:
     seed: int
     # Engines' smallest padded T (fewer compilations against padded decode steps).
     min_token_bucket: int = ji.EngineConfig.min_token_bucket
+    systems: tuple[str, ...] = SYSTEMS  # baselines run ("engine" = speculation off)
+    spec: tuple[str, ...] = ()  # speculative engines "spec_<γ | auto>"
+    drafter: str = "ngram"
+    max_gamma: int = 4
+
+    @property
+    def all_systems(self) -> tuple[str, ...]:
+        return self.systems + tuple(f"spec_{g}" for g in self.spec)
 
 
-@dataclasses.dataclass(frozen=True)
-class Req:
-    arrival: float  # seconds after the start of the run
-    prompt: list[int]
-    max_tokens: int
-
-
-# ------------------------------------------------------------------------------ workloads
-
-
-def _lognormal(rng, median, sigma, lo, hi, n):
-    return np.clip(rng.lognormal(math.log(median), sigma, n), lo, hi).astype(int)
-
-
-def make_lengths(name: str, n: int, max_len: int, rng) -> list[tuple[int, int, int]]:
-    """Per request (shared prefix length, prompt length, output length), P + O <= max_len."""
-    if name == "sharegpt":
-        p = _lognormal(rng, max_len / 5, 0.9, 4, 3 * max_len // 4, n)
-        o = _lognormal(rng, max_len / 8, 0.8, 2, max_len // 2, n)
-        return [(0, pi, min(oi, max_len - pi)) for pi, oi in zip(p, o)]
-    if name == "shared_prefix":
-        sys_len = max_len // 4
-        p = sys_len + _lognormal(rng, max_len / 20, 0.7, 2, max_len // 4, n)
-        o = _lognormal(rng, max_len / 10, 0.6, 2, max_len // 3, n)
-        return [(sys_len, pi, min(oi, max_len - pi)) for pi, oi in zip(p, o)]
-    if name == "long_prompt":
-        long = rng.random_sample(n) < 0.2
-        p_short = _lognormal(rng, max_len / 20, 0.6, 2, max_len // 4, n)
-        o_short = _lognormal(rng, max_len / 6, 0.5, 2, max_len // 3, n)
-        p_long = _lognormal(rng, 0.7 * max_len, 0.1, max_len // 2, max_len - 16, n)
-        return [
-            (0, int(pl), 8) if lg else (0, int(ps), int(os_))
-            for lg, ps, os_, pl in zip(long, p_short, o_short, p_long)
-        ]
-    raise ValueError(f"unknown workload {name!r}; expected sharegpt, shared_prefix, long_prompt")
-
-
-def make_requests(name, n, max_len, vocab, rate, seed) -> list[Req]:
-    """Seeded requests with Poisson arrivals at `rate` (inf: all at time 0)."""
-    rng = np.random.RandomState([seed, zlib.crc32(name.encode())])
-    shared = rng.randint(3, vocab, max_len).tolist()  # the system prompt (a prefix of it)
-    lengths = make_lengths(name, n, max_len, rng)
-    arrival_rng = np.random.RandomState([seed, 7, int(rate * 1000) if math.isfinite(rate) else 0])
-    gaps = arrival_rng.exponential(1.0 / rate, n) if math.isfinite(rate) else np.zeros(n)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    return [
-        Req(float(t), shared[:s] + rng.randint(3, vocab, p - s).tolist(), int(o))
-        for t, (s, p, o) in zip(arrivals, lengths)
-    ]
+Req = workload.TimedRequest  # the workloads and the real-time driver live in the library
+make_lengths, make_requests = workload.make_lengths, workload.make_requests
+warm_engine, _summarize, _sampling = workload.warm_engine, workload.summarize, workload.greedy
 
 
 # ------------------------------------------------------------------------------ systems
+
+
+def spec_config(bc: BenchConfig, system: str) -> ji.SpeculativeConfig | None:
+    """The SpeculativeConfig of a "spec_<γ | auto>" system; None for the others."""
+    if not system.startswith("spec_"):
+        return None
+    g = system.removeprefix("spec_")
+    drafter = _DRAFT_MODEL[0] if bc.drafter == "model" else "ngram"
+    return ji.SpeculativeConfig(
+        drafter=drafter,
+        num_speculative_tokens=g if g == "auto" else int(g),
+        max_gamma=bc.max_gamma,
+    )
 
 
 def engine_config(bc: BenchConfig, system: str) -> ji.EngineConfig:
@@ -186,46 +174,15 @@ def engine_config(bc: BenchConfig, system: str) -> ji.EngineConfig:
         min_block_bucket=bucket(-(-bc.max_len // S)),  # M fixed: one compilation per T bucket
         min_seq_bucket=bc.max_num_seqs,  # B fixed
         min_token_bucket=bc.min_token_bucket,
+        speculative=spec_config(bc, system),
     )
 
 
-def _sampling(max_tokens: int) -> ji.SamplingParams:
-    return ji.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def warm_engine(cfg, params, ecfg: ji.EngineConfig, max_len: int) -> None:
-    """Compiles every token bucket T the engine can use, so timed runs compile nothing."""
-    engine = ji.Engine(cfg, params, ecfg)
-    t, token = ecfg.min_token_bucket, 3
-    while t <= bucket(ecfg.max_num_batched_tokens):
-        # A prompt alone in a step is a T = bucket(length) step; prompt + 1 <= budget keeps it
-        # schedulable without chunked prefill, prompt + 2 <= max_len keeps M at its bucket.
-        # Each prompt has its own token, so the prefix cache cannot shorten it.
-        length = min(t, ecfg.max_num_batched_tokens - 1, max_len - 2)
-        engine.generate([[token] * max(1, length)], _sampling(2))
-        t, token = 2 * t, token + 1
-
-
 def run_engine(cfg, params, ecfg, reqs: list[Req], slo: SLO | None) -> dict:
-    """Serves the requests in real time; returns the metrics summary and per-request latencies."""
-    engine = ji.Engine(cfg, params, ecfg)
-    t0 = time.perf_counter()
-    i = 0
-    while i < len(reqs) or engine.has_unfinished():
-        now = time.perf_counter()
-        while i < len(reqs) and t0 + reqs[i].arrival <= now:
-            r = reqs[i]
-            engine.add_request(r.prompt, _sampling(r.max_tokens), i, t0 + r.arrival)
-            i += 1
-        if engine.has_unfinished():
-            engine.step()
-        elif i < len(reqs):
-            time.sleep(max(0.0, t0 + reqs[i].arrival - time.perf_counter()))
-    out = _summarize(engine.metrics_collector, slo)
-    m = out["summary"]
-    out["kv_waste"] = m["kv_waste_mean"]
-    out["peak_concurrent"] = m["peak_running"]
-    out["num_steps"] = engine.num_steps
+    """Serves the requests in real time (`jaxinfer.engine.workload.run_engine`); adds the
+    achieved weight GB/s (weight bytes read per step x steps / duration)."""
+    out = workload.run_engine(cfg, params, ecfg, reqs, slo)
+    out["weight_gbs"] = tree_bytes(params) * out["num_steps"] / out["summary"]["duration_s"] / 1e9
     return out
 
 
@@ -250,7 +207,7 @@ def run_static(cfg, params, bc: BenchConfig, reqs: list[Req], slo: SLO | None) -
     pad_to = {"seqs": b_max, "blocks": -(-bc.max_len // 16), "new_tokens": bc.max_len}
     mc = MetricsCollector(clock=lambda: math.nan)  # every event carries its own time
     clock, i = 0.0, 0
-    waste_time, busy, peak = 0.0, 0.0, 0
+    waste_time, busy, peak, steps = 0.0, 0.0, 0, 0
     while i < len(reqs):
         start = max(clock, reqs[i].arrival)
         batch = [r for r in reqs[i : i + b_max] if r.arrival <= start]
@@ -266,6 +223,7 @@ def run_static(cfg, params, bc: BenchConfig, reqs: list[Req], slo: SLO | None) -
             pad_to,
         )
         longest = max(r.max_tokens for r in batch)
+        steps += longest  # forwards of the batch: its prefill and longest - 1 decodes
         for j, r in zip(ids, batch):
             for k in range(1, r.max_tokens + 1):
                 mc.on_tokens(j, 1, start + dt * k / longest)
@@ -284,16 +242,8 @@ def run_static(cfg, params, bc: BenchConfig, reqs: list[Req], slo: SLO | None) -
     out["kv_waste"] = waste_time / busy
     out["peak_concurrent"] = peak
     out["batch_size"] = b_max
+    out["weight_gbs"] = tree_bytes(params) * steps / out["summary"]["duration_s"] / 1e9
     return out
-
-
-def _summarize(mc: MetricsCollector, slo: SLO | None) -> dict:
-    done = [r for r in mc.requests.values() if r.completed]
-    return {
-        "summary": mc.summary(slo).to_dict(),
-        "ttft": [r.ttft for r in done],
-        "tpot": [r.tpot for r in done if r.tpot is not None],
-    }
 
 
 # ------------------------------------------------------------------------------ driver
@@ -334,6 +284,10 @@ def resolve_config(description: str) -> BenchConfig:
         slo_tpot_s=_SLO_TPOT.value,
         seed=_SEED.value,
         min_token_bucket=_MIN_TOKEN_BUCKET.value,
+        systems=tuple(_SYSTEMS.value),
+        spec=tuple(_SPEC.value),
+        drafter=_DRAFTER.value,
+        max_gamma=_MAX_GAMMA.value,
     )
 
 
@@ -356,10 +310,10 @@ def bench_workload(cfg, params, bc: BenchConfig, name: str, slo: SLO) -> dict:
     capacity = burst["summary"]["request_throughput"]
     rates = bc.rates or tuple(round(f * capacity, 3) for f in bc.rate_fractions)
     logging.info("%s: engine capacity %.2f req/s; rates %s", name, capacity, rates)
-    runs = {s: [] for s in SYSTEMS}
+    runs = {s: [] for s in bc.all_systems}
     for rate in rates:
         reqs = make_requests(name, n, bc.max_len, vocab, rate, bc.seed)
-        for system in SYSTEMS:
+        for system in bc.all_systems:
             if system == "static":
                 out = run_static(cfg, params, bc, reqs, slo)
             else:
@@ -395,20 +349,22 @@ def markdown(bc: BenchConfig, slo: SLO, results: dict, command: str) -> str:
         "",
     ]
     head = (
-        "| rate (req/s) | system | out tok/s | req/s | goodput | TTFT p50 / p90 / p99 (s) | "
-        "TPOT p50 / p90 / p99 (ms) | KV waste | peak seqs | preempt | prefix hits |"
+        "| rate (req/s) | system | out tok/s | weight GB/s | req/s | goodput | "
+        "TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | KV waste | peak seqs | "
+        "preempt | prefix hits |"
     )
     for name, w in results.items():
         lines += [f"## {name} (engine capacity {w['capacity_rps']:.2f} req/s)", "", head]
-        lines.append("|" + "---|" * 11)
+        lines.append("|" + "---|" * 12)
         for k, rate in enumerate(w["rates"]):
-            for system in SYSTEMS:
+            for system in w["runs"]:
                 out = w["runs"][system][k]
                 m = out["summary"]
                 t, p = m["ttft"], m["tpot"]
                 hit = m["prefix_cache_hit_rate"] if system != "static" else None
                 lines.append(
                     f"| {rate:.2f} | {system} | {_fmt(m['output_throughput'], 1)} | "
+                    f"{_fmt(out['weight_gbs'], 2)} | "
                     f"{_fmt(m['request_throughput'], 2)} | {_fmt(m['goodput'], 2)} | "
                     f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
                     f"{_fmt(1e3 * p['p50'], 1)} / {_fmt(1e3 * p['p90'], 1)} / "
@@ -430,7 +386,7 @@ def plot(results: dict, workdir: str) -> list[str]:
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         w = results[name]
-        for system in SYSTEMS:
+        for system in w["runs"]:
             ax.plot(w["rates"], [o["summary"]["goodput"] for o in w["runs"][system]], "o-",
                     label=system)  # fmt: skip
         ax.set(title=name, xlabel="request rate (req/s)", ylabel="goodput (req/s within SLO)")
@@ -446,7 +402,7 @@ def plot(results: dict, workdir: str) -> list[str]:
         w = results[name]
         k = min(range(len(w["rates"])), key=lambda j: abs(w["rates"][j] - w["capacity_rps"]))
         for ax, key, unit in zip(row, ("ttft", "tpot"), ("s", "s")):
-            for system in SYSTEMS:
+            for system in w["runs"]:
                 xs = np.sort(w["runs"][system][k][key])
                 if len(xs):
                     ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=system)
@@ -487,8 +443,19 @@ def main(argv):
     for name in bc.workloads:  # unknown names fail before any compilation
         make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
     t0 = time.perf_counter()
+    for g in bc.spec:  # bad values fail before any compilation
+        if g != "auto" and not (g.isdigit() and int(g) <= bc.max_gamma):
+            raise ValueError(f"--spec={g!r}: expected 'auto' or an int in 0..{bc.max_gamma}")
+    if bc.drafter == "model" and bc.spec:
+        _DRAFT_MODEL.append(ji.load_checkpoint(ji.models.path("draft")))
     warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
     warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
+    for system in bc.all_systems:
+        if system.startswith("spec_"):  # prefill buckets, then decodes at every γ and batch
+            ecfg = engine_config(bc, system)
+            warm_engine(cfg, params, ecfg, bc.max_len)
+            sizes = [1 << k for k in range(min(bc.max_num_seqs, bc.num_requests).bit_length())]
+            warm_up(ji.Engine(cfg, params, ecfg), batch_sizes=tuple(sizes))
     engine_compiles = engine_step._cache_size()
     slo = derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)

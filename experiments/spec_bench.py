@@ -14,11 +14,15 @@ What is measured, for each drafter (draft model, n-gram), temperature, acceptanc
 size and γ (temperature 0 is greedy, where both acceptance modes coincide: one "greedy" row):
   * α per draft position and tokens per cycle, from the fused run's per-sequence histograms of
     accepted drafts (`estimate_alpha`);
-  * tokens/s of the fused loop (compiled; the best of --repeats runs after a warm-up), end to end
-    and decode only: runs of max_tokens and max_tokens/2 share the prefill, their difference is
-    the time of max_tokens/2 decode steps;
-  * the measured speedup: plain `ji.generate` decode time / speculative decode time, same batch
-    and temperature (and end to end, prefill included);
+  * tokens/s of the fused loop (compiled), end to end and decode only: runs of max_tokens and
+    max_tokens/2 share the prefill, their difference is the time of max_tokens/2 decode steps.
+    Every cell (plain and speculative) is timed once per round over --repeats interleaved rounds
+    after a warm-up pass; the table gives medians with the min-max spread, so a busy machine
+    shows as a wide spread instead of a wrong ratio;
+  * the measured speedup: the median over rounds of plain `ji.generate` decode time /
+    speculative decode time in the same round, same batch and temperature (and end to end);
+  * achieved weight GB/s: weight bytes read per decode step (target; + γ draft reads per cycle
+    for the model drafter) over its time;
   * the prediction of the speedup model: α of the largest-γ run of the same setting, the draft
     step time and verify cost line t(n) = a + b·n fitted on cycle logs (`generate_with_log`) at
     the smallest and largest γ, and the plain decode step time.
@@ -46,6 +50,7 @@ from tqdm import tqdm
 import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer import data
+from jaxinfer.memory import tree_bytes
 from jaxinfer.speculative import (
     complete_alpha,
     estimate_alpha,
@@ -66,7 +71,12 @@ _QUICK = flags.DEFINE_bool(
 _TARGET = flags.DEFINE_string("target", None, "Target HF dir; default: the shipped target.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft HF dir; default: the shipped draft.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "0.8"], "Sampling temperatures.")
-_GAMMAS = flags.DEFINE_list("gammas", ["1", "2", "3", "4", "6", "8"], "Drafted tokens per cycle.")
+_GAMMAS = flags.DEFINE_list(
+    "gammas", ["1", "2", "3", "4", "6", "8"], "Drafted tokens per cycle; 'auto' (autotune) too."
+)
+_AUTO = flags.DEFINE_bool(
+    "auto", False, "Also run gamma='auto' (the speedup model's choice, calibration included)."
+)
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _DRAFTERS = flags.DEFINE_list("drafters", ["model", "ngram"], "Drafters: model, ngram.")
 _ACCEPTANCE = flags.DEFINE_list("acceptance", ["rejection", "coupled"], "Acceptance modes.")
@@ -99,12 +109,15 @@ class BenchConfig:
 
     temperatures: tuple[float, ...]
     gammas: tuple[int, ...]
+    auto: bool  # also a gamma="auto" cell per setting (its calibration run is timed with it)
     batch_sizes: tuple[int, ...]
     drafters: tuple[str, ...]  # "model" (the draft checkpoint) and / or "ngram"
     acceptance: tuple[str, ...]
     max_tokens: int
     prompt_len: tuple[int, int]  # window lengths drawn uniformly in [lo, hi]
-    repeats: int  # timing: best of `repeats` after one warm-up, the machine is shared and noisy
+    repeats: (
+        int  # timing: median of `repeats` interleaved rounds after one warm-up (shared machine)
+    )
     transformers: bool
     seed: int
     quick: bool
@@ -121,6 +134,7 @@ def _resolve() -> BenchConfig:
     return BenchConfig(
         temperatures=tuple(float(t) for t in _TEMPERATURES.value),
         gammas=pick(_GAMMAS, int, (2, 4)),
+        auto=_AUTO.value,
         batch_sizes=pick(_BATCH_SIZES, int, (1,)),
         drafters=tuple(_DRAFTERS.value),
         acceptance=tuple(_ACCEPTANCE.value),
@@ -181,16 +195,15 @@ def _prompts(bc: BenchConfig, n: int) -> list[list[int]]:
     raise ValueError(f"the test split has fewer than {n} documents of >= {lo} tokens")
 
 
-def _best_time(repeats: int, warm: bool, fn, *args, **kwargs):
-    """(fn(*args, **kwargs), best wall seconds of `repeats` calls), after an optional warm-up."""
-    if warm:
-        fn(*args, **kwargs)
-    best, out = np.inf, None
+def _median_time(repeats: int, fn, *args, **kwargs) -> float:
+    """Median wall seconds of `repeats` calls of fn after a warm-up call."""
+    fn(*args, **kwargs)
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        best = min(best, time.perf_counter() - t0)
-    return out, best
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _sampling(bc: BenchConfig, b: int, temperature: float, max_tokens: int):
@@ -205,85 +218,125 @@ def _sampling(bc: BenchConfig, b: int, temperature: float, max_tokens: int):
     ]
 
 
-def _measure(bc: BenchConfig, warm: bool, run, b: int, temp: float) -> dict:
-    """Times `run(sampling)` at max_tokens and at half of it.
+def _interleaved(bc: BenchConfig, cells: dict) -> dict:
+    """Times every cell `key -> (run, batch, temperature)` at max_tokens and at half of it, in
+    --repeats rounds that each visit every cell once (a busy spell of the shared machine then
+    hits every cell alike), after one warm-up pass that compiles.
 
-    Both runs share the prefill and every fixed cost, so their difference is the decode of the
-    second half: `step_s` = (t_full − t_half) / (max_tokens − half), seconds per decode step
-    (None where timing noise makes the difference non-positive). The half run is always warmed:
-    for `ji.generate` max_tokens is static (a new compilation), for the speculative loop a new
-    shape bucket is possible.
+    A round's full and half runs share the prefill and every fixed cost, so their difference is
+    the decode of the second half: step_s = (t_full − t_half) / (max_tokens − half), seconds per
+    decode step (None in a round where noise makes the difference non-positive). Each cell keeps
+    its rounds (`round_step_s`) and their median, with the min-max spread of tok/s.
     """
     half = bc.max_tokens // 2
-    outs, t = _best_time(bc.repeats, warm, run, _sampling(bc, b, temp, bc.max_tokens))
-    _, t_half = _best_time(bc.repeats, True, run, _sampling(bc, b, temp, half))
-    step = (t - t_half) / (bc.max_tokens - half) if t > t_half else None
-    return {
-        "outs": outs,
-        "seconds": t,
-        "tok_s": b * bc.max_tokens / t,
-        "step_s": step,
-        "decode_tok_s": step and b / step,
-    }
+    outs = {}
+    for key, (run, b, temp) in cells.items():  # warm-up: compiles both lengths
+        outs[key] = run(_sampling(bc, b, temp, bc.max_tokens))
+        run(_sampling(bc, b, temp, half))
+    times = {key: [] for key in cells}
+    for _ in tqdm(range(bc.repeats), desc="rounds", file=sys.stdout):
+        for key, (run, b, temp) in cells.items():
+            t0 = time.perf_counter()
+            run(_sampling(bc, b, temp, bc.max_tokens))
+            t1 = time.perf_counter()
+            run(_sampling(bc, b, temp, half))
+            times[key].append((t1 - t0, time.perf_counter() - t1))
+    res = {}
+    for key, (_, b, _) in cells.items():
+        full = [t for t, _ in times[key]]
+        steps = [(t - h) / (bc.max_tokens - half) if t > h else None for t, h in times[key]]
+        good = [x for x in steps if x is not None]
+        step = float(np.median(good)) if good else None
+        res[key] = {
+            "outs": outs[key],
+            "seconds": float(np.median(full)),
+            "tok_s": b * bc.max_tokens / float(np.median(full)),
+            "tok_s_spread": [b * bc.max_tokens / max(full), b * bc.max_tokens / min(full)],
+            "step_s": step,
+            "round_step_s": steps,
+            "decode_tok_s": step and b / step,
+            "decode_tok_s_spread": [b / max(good), b / min(good)] if good else None,
+            "load1": os.getloadavg()[0],
+        }
+    return res
 
 
-def _bench_plain(bc, target, prompts) -> dict:
-    """Plain ji.generate per (batch, temperature): (b, T) -> timings and tokens."""
+def _ratios(ref: list, new: list) -> list[float]:
+    """Per-round ref / new of two cells' round_step_s (rounds where both were measured)."""
+    return [r / n for r, n in zip(ref, new) if r is not None and n is not None]
+
+
+def _bench_all(bc, target, draft, prompts) -> tuple[dict, list[dict]]:
+    """Plain ji.generate per (batch, temperature) and the fused speculative runs over the grid,
+    timed interleaved (`_interleaved`)."""
     cfg, params = target
-    rows = {}
+    cells = {}
     for b in bc.batch_sizes:
-        for i, temp in enumerate(bc.temperatures):  # temperature is data: compiled once
-            m = _measure(
-                bc, i == 0, functools.partial(ji.generate, cfg, params, prompts[:b]), b, temp
-            )
-            rows[(b, temp)] = {"batch": b, "temperature": temp, **m}
-    return rows
-
-
-def _bench_spec(bc, target, draft, prompts, plain) -> list[dict]:
-    """Fused speculative runs over the whole grid."""
-    rows = []
+        for temp in bc.temperatures:  # temperature is data: compiled once
+            run = functools.partial(ji.generate, cfg, params, prompts[:b])
+            cells[("plain", b, temp)] = (run, b, temp)
     grid = [
         (name, b, g, mode)
         for name in bc.drafters
         for b in bc.batch_sizes
-        for g in bc.gammas
+        for g in bc.gammas + (("auto",) if bc.auto else ())
         for mode in bc.acceptance
     ]
-    for name, b, gamma, mode in tqdm(grid, desc="speculative", file=sys.stdout):
+    for name, b, gamma, mode in grid:
         run = functools.partial(
             _spec_run, target, draft if name == "model" else "ngram", prompts[:b], gamma, mode
         )
-        warm = True  # temperature is data: one compilation serves every temperature
         for temp in bc.temperatures:
             if temp == 0 and mode != bc.acceptance[0]:
                 continue  # greedy: every acceptance mode is the same computation
-            m = _measure(bc, warm, run, b, temp)
-            warm = False
-            outs = m.pop("outs")
-            counts = np.concatenate(
-                [np.repeat(np.arange(gamma + 1), o.accepted_histogram) for o in outs]
-            )
-            alpha = estimate_alpha(counts, gamma)
-            ref = plain[(b, temp)]
-            rows.append(
-                {
-                    "drafter": name, "temperature": temp,
-                    "acceptance": "greedy" if temp == 0 else mode, "batch": b, "gamma": gamma,
-                    "alpha": [None if np.isnan(a) else float(a) for a in alpha],
-                    "pooled_alpha": pooled_alpha(counts, gamma),
-                    "tokens_per_cycle": float(np.mean(counts + 1)),
-                    "cycles": int(sum(o.num_cycles for o in outs)),
-                    **m,
-                    "speedup": m["step_s"] and ref["step_s"] and ref["step_s"] / m["step_s"],
-                    "speedup_e2e": ref["seconds"] / m["seconds"],
-                    # Greedy and coupled runs must reproduce plain decoding token for token;
-                    # rejection sampling at T > 0 draws different (equally distributed) tokens.
-                    "matches_plain": None if temp > 0 and mode == "rejection"
-                    else [o.token_ids for o in outs] == [o.token_ids for o in ref["outs"]],
-                }
-            )  # fmt: skip
-    return rows
+            cells[(name, b, gamma, mode, temp)] = (run, b, temp)
+    timed = _interleaved(bc, cells)
+    w_target = tree_bytes(params)
+    w_draft = tree_bytes(draft[1]) if draft is not None else 0
+    plain = {}
+    for b in bc.batch_sizes:
+        for temp in bc.temperatures:
+            m = timed[("plain", b, temp)]
+            gbs = m["step_s"] and w_target / m["step_s"] / 1e9
+            plain[(b, temp)] = {"batch": b, "temperature": temp, **m, "weight_gbs": gbs}
+    rows = []
+    for key, m in timed.items():
+        if key[0] == "plain":
+            continue
+        name, b, gamma, mode, temp = key
+        outs = m.pop("outs")
+        auto = gamma == "auto"
+        gamma = len(outs[0].accepted_histogram) - 1  # auto: the γ it chose
+        counts = np.concatenate(
+            [np.repeat(np.arange(gamma + 1), o.accepted_histogram) for o in outs]
+        )
+        alpha = estimate_alpha(counts, gamma)
+        ref = plain[(b, temp)]
+        ratios = _ratios(ref["round_step_s"], m["round_step_s"])
+        tpc = float(np.mean(counts + 1))
+        # Weights read per cycle: the target once, the draft model γ times (n-gram: none).
+        per_cycle = w_target + (gamma * w_draft if name == "model" else 0)
+        rows.append(
+            {
+                "drafter": name, "temperature": temp,
+                "acceptance": "greedy" if temp == 0 else mode, "batch": b, "gamma": gamma,
+                "auto": auto,
+                "alpha": [None if np.isnan(a) else float(a) for a in alpha],
+                "pooled_alpha": pooled_alpha(counts, gamma),
+                "tokens_per_cycle": tpc,
+                "cycles": int(sum(o.num_cycles for o in outs)),
+                **m,
+                "weight_gbs": m["step_s"] and per_cycle / (m["step_s"] * tpc) / 1e9,
+                "speedup": float(np.median(ratios)) if ratios else None,
+                "speedup_spread": [min(ratios), max(ratios)] if ratios else None,
+                "speedup_e2e": ref["seconds"] / m["seconds"],
+                # Greedy and coupled runs must reproduce plain decoding token for token;
+                # rejection sampling at T > 0 draws different (equally distributed) tokens.
+                "matches_plain": None if temp > 0 and mode == "rejection"
+                else [o.token_ids for o in outs] == [o.token_ids for o in ref["outs"]],
+            }
+        )  # fmt: skip
+    return plain, rows
 
 
 def _spec_run(target, drafter, prompts, gamma, mode, sampling):
@@ -319,7 +372,7 @@ def _predict(rows, costs, plain) -> None:
     by_setting = {}
     for r in rows:
         key = (r["drafter"], r["temperature"], r["acceptance"], r["batch"])
-        if r["gamma"] > by_setting.get(key, {"gamma": 0})["gamma"]:
+        if not r["auto"] and r["gamma"] > by_setting.get(key, {"gamma": 0})["gamma"]:
             by_setting[key] = r
     for r in rows:
         ref = by_setting[(r["drafter"], r["temperature"], r["acceptance"], r["batch"])]
@@ -369,7 +422,7 @@ def _bench_transformers(bc, target_dir, draft_dir, prompts) -> list[dict]:
     lookup = {"prompt_lookup_num_tokens": max(bc.gammas)}
     settings += [(1, 0.0, "prompt_lookup", lookup)] if 0.0 in bc.temperatures else []
     for b, temp, kind, extra in tqdm(settings, desc="transformers", file=sys.stdout):
-        _, t = _best_time(bc.repeats, True, run, b, temp, **extra)
+        t = _median_time(bc.repeats, run, b, temp, **extra)
         rows.append(
             {"kind": kind, "batch": b, "temperature": temp, "seconds": t, "tok_s": b * n / t}
         )
@@ -425,23 +478,34 @@ def _table(rows, plain, hf, note) -> str:
     lines = [note, ""] if note else []
     lines += [
         "| drafter | T | acceptance | batch | γ | α | tok/cycle | tok/cycle pred | tok/s | "
-        "decode tok/s | speedup e2e | speedup decode | speedup pred | = plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "decode tok/s (spread) | weight GB/s | speedup e2e | speedup decode (spread) | "
+        "speedup pred | = plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred = r.get("predicted_speedup")
         dec, sp = r["decode_tok_s"], r["speedup"]
+        dsp, ssp, gbs = r["decode_tok_s_spread"], r["speedup_spread"], r["weight_gbs"]
         lines.append(
             f"| {r['drafter']} | {r['temperature']:g} | {r['acceptance']} | {r['batch']} | "
-            f"{r['gamma']} | {r['pooled_alpha']:.2f} | {r['tokens_per_cycle']:.2f} | "
+            f"{'auto→' if r['auto'] else ''}{r['gamma']} | {r['pooled_alpha']:.2f} | "
+            f"{r['tokens_per_cycle']:.2f} | "
             f"{r['predicted_tokens_per_cycle']:.2f} | {r['tok_s']:.0f} | "
-            f"{'-' if dec is None else f'{dec:.0f}'} | {r['speedup_e2e']:.2f}x | "
-            f"{'-' if sp is None else f'{sp:.2f}x'} | {'-' if pred is None else f'{pred:.2f}x'} | "
+            f"{'-' if dec is None else f'{dec:.0f} ({dsp[0]:.0f}-{dsp[1]:.0f})'} | "
+            f"{'-' if gbs is None else f'{gbs:.2f}'} | {r['speedup_e2e']:.2f}x | "
+            f"{'-' if sp is None else f'{sp:.2f}x ({ssp[0]:.2f}-{ssp[1]:.2f})'} | "
+            f"{'-' if pred is None else f'{pred:.2f}x'} | "
             f"{ {None: '-', True: 'yes', False: 'NO'}[r['matches_plain']] } |"
         )
-    lines += ["", "| baseline | T | batch | tok/s |", "|---|---|---|---|"]
+    lines += ["", "| baseline | T | batch | tok/s | decode tok/s (spread) | weight GB/s |"]
+    lines.append("|---|---|---|---|---|---|")
     for (b, temp), r in plain.items():
-        lines.append(f"| ji.generate | {temp:g} | {b} | {r['tok_s']:.0f} |")
+        dec, dsp, gbs = r["decode_tok_s"], r["decode_tok_s_spread"], r["weight_gbs"]
+        lines.append(
+            f"| ji.generate | {temp:g} | {b} | {r['tok_s']:.0f} | "
+            f"{'-' if dec is None else f'{dec:.0f} ({dsp[0]:.0f}-{dsp[1]:.0f})'} | "
+            f"{'-' if gbs is None else f'{gbs:.2f}'} |"
+        )
     for r in hf:
         lines.append(
             f"| transformers {r['kind']} | {r['temperature']:g} | {r['batch']} | {r['tok_s']:.0f} |"
@@ -458,8 +522,7 @@ def main(argv):
     target, draft, target_dir, draft_dir, note = _load_models()
     prompts = _prompts(bc, max(bc.batch_sizes))
     t0 = time.perf_counter()
-    plain = _bench_plain(bc, target, prompts)
-    rows = _bench_spec(bc, target, draft, prompts, plain)
+    plain, rows = _bench_all(bc, target, draft, prompts)
     costs = _bench_costs(bc, target, draft, prompts, workdir)
     _predict(rows, costs, plain)
     hf = _bench_transformers(bc, target_dir, draft_dir, prompts) if bc.transformers else []

@@ -13,6 +13,9 @@ from jaxinfer.engine.scheduler import SchedulerConfig
 from jaxinfer.ops.attention import BACKENDS
 from jaxinfer.speculative.config import SpeculativeConfig
 
+TOKEN_BUCKETS = ("measured", "pow2")
+LAYOUTS = ("auto", "stacked")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -31,7 +34,17 @@ class EngineConfig:
       backend: attention backend ("auto", "xla", "reference", "pallas", "pallas-interpret").
       kv_format: KV-cache storage ("float", "int8", "fp8").
       kv_dtype: storage dtype of a "float" cache; None: the model's dtype.
-      min_token_bucket: smallest padded T, so the many tiny decode steps share one compilation.
+      min_token_bucket: smallest padded T (1: a decode step of one request runs one row).
+      token_buckets: how T is padded up to 16: "measured" keeps the powers of two from
+        min_token_bucket to 16 that a cost table timed at construction says are worth their
+        compilation (`jaxinfer/engine/buckets.py`); "pow2" keeps all of them. Past 16 (or
+        min_token_bucket, if larger), powers of two.
+      layout: params layout the step runs on: "auto" takes `inference_layout` on a CPU without a
+        TP mesh (a `lax.scan` over stacked weights copies every layer's weights each step there:
+        ~2x the step of SmolLM2-135M at one request), the params as given elsewhere; "stacked":
+        as given.
+        The layout is a copy: while the caller keeps its stacked params, the weights are held
+        twice (plus a tied model's `lm_head`); "stacked" when memory is short.
       min_block_bucket: smallest padded M (blocks per sequence), for the same reason.
       min_seq_bucket: smallest padded B; `max_num_seqs` fixes B, leaving T and M to vary.
       speculative: speculative decoding (`ji.SpeculativeConfig`); None: plain decoding.
@@ -54,7 +67,9 @@ class EngineConfig:
     backend: str = "auto"
     kv_format: str = "float"
     kv_dtype: str | None = None
-    min_token_bucket: int = 16
+    min_token_bucket: int = 1
+    token_buckets: str = "measured"
+    layout: str = "auto"
     min_block_bucket: int = 8
     min_seq_bucket: int = 1
     speculative: SpeculativeConfig | None = None
@@ -79,6 +94,13 @@ class EngineConfig:
         if self.long_prefill_threshold is not None:
             t = check_int("EngineConfig.long_prefill_threshold", self.long_prefill_threshold, 1)
             object.__setattr__(self, "long_prefill_threshold", t)
+        if self.token_buckets not in TOKEN_BUCKETS:
+            raise ValueError(
+                f"EngineConfig.token_buckets={self.token_buckets!r}: expected one of "
+                f"{TOKEN_BUCKETS}"
+            )
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"EngineConfig.layout={self.layout!r}: expected one of {LAYOUTS}")
         if self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: expected one of {BACKENDS}")
         if self.kv_format not in KV_FORMATS:

@@ -11,7 +11,8 @@
 
 **Controller** (`GammaController`): picks γ in 0..max_gamma for the step, maximising the batch's
 expected committed tokens per second, B · E[tokens | γ] / t(γ, B). t is a table of measured step
-times (draft + verify seconds) keyed by (γ, padded B), refined online: a cell's first sample
+times (the whole `Engine.step`, host work included, not only draft + verify: the committed tokens
+per second a client sees) keyed by (γ, padded B), refined online: a cell's first sample
 (which includes compilation) is dropped, the estimate is the median of its last samples, and a
 cell with no estimate yet is tried before any choice is made (exploration, once per cell), unless
 `warm_up` measured it first over the compiled buckets. Only decode-only steps are timed. α_j
@@ -32,7 +33,7 @@ import numpy as np
 
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.cache.paged import init_cache
-from jaxinfer.model.params import check_params
+from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.speedup import expected_tokens_per_cycle
 
@@ -102,7 +103,7 @@ class GammaController:
         return max(pred, key=lambda g: pred[g]), pred
 
     def observe(self, gamma: int, batch: int, seconds: float) -> None:
-        """A step of `batch` decoding requests at `gamma` took `seconds` (draft + verify)."""
+        """A step of `batch` decoding requests at `gamma` took `seconds` (the whole step)."""
         key = (gamma, bucket(max(batch, 1)))
         self.seen[key] += 1
         if self.seen[key] == 1:
@@ -142,15 +143,21 @@ def init_speculation(engine, detokenize) -> None:
     """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
     controller, cycle log; all None without speculation."""
     spec = engine.spec = engine.config.speculative
-    engine.dcache = None
+    engine.dcache = engine.draft_model = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
     engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
+    engine._observe = None  # (γ, batch) of a decode-only step, timed by Engine.step
     if spec is None:
         return
     spec.check_target(engine.cfg)
     if spec.draft_model is not None:
         dcfg, dparams = spec.draft_model
         check_params(dcfg, dparams)
+        # The drafter runs on the target's layout policy (EngineConfig.layout).
+        engine.draft_model = (
+            dcfg,
+            loop_layout(dparams) if engine.config.layout == "auto" else dparams,
+        )
         # Same block ids as the target's cache (see speculation.py): one allocator for both.
         engine.dcache = init_cache(
             dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
@@ -166,10 +173,11 @@ def account(engine, schedule, record: dict, outs) -> None:
     """Counters, controller timings and the cycle log of a speculative step."""
     committed = {o.seq_id: o.new_token_ids for o in outs}
     gmax = max((s.num_lookahead for s in schedule.seqs), default=0)
-    seconds = (record["draft_ms"] + record["verify_ms"]) / 1e3
     if all(len(s.token_ids) == 1 and s.sample for s in schedule.seqs):
-        # Decode-only steps: the shape the controller predicts (prefill chunks cost more).
-        engine.controller.observe(gmax, len(schedule.seqs), seconds)
+        # Decode-only steps: the shape the controller predicts (prefill chunks cost more). The
+        # engine times the whole step (host work included: on a small model it is most of the
+        # step) and hands it to `controller.observe` when the step ends.
+        engine._observe = (gmax, len(schedule.seqs))
     lines = []
     for sid, (gamma, proposed, accepted) in record["rows"].items():
         engine.spec_counters.add(gamma, accepted)

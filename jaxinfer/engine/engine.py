@@ -14,9 +14,11 @@ Each `step()` asks the `Scheduler` (host only) for a `Schedule`, applies its cop
 copies with one jitted call, turns its sequences into a ragged `BatchMetadata` and runs one jitted
 step: the model forward over the paged cache, then sampling on the device. Only the sampled token
 ids (`[B]` int32, -1 where a row of logits is not finite) come back to the host. The cache is
-donated to both calls, so it is updated in place. T (tokens), B (sequences = logits rows = sample
-rows) and M (blocks per sequence) are padded to powers of two, so a run compiles at most once per
-distinct (T, B, M); tests count compilations with `_step._cache_size()`.
+donated to both calls, so it is updated in place. B (sequences = logits rows = sample rows) and M
+(blocks per sequence) are padded to powers of two, T (tokens) to the buckets a cost table measured
+at construction keeps (`buckets.py`), so a run compiles at most once per distinct (T, B, M);
+tests count compilations with `_step._cache_size()`. On a CPU the step runs on the params'
+`inference_layout` (`EngineConfig.layout`).
 
 Sampling is `jaxinfer.sampling.sample` with each row's `sample_index`: sample 0 of a request draws
 the noise of `ji.generate`, `fold_in(key(seed), position)`, so an n = 1 request gives exactly
@@ -43,26 +45,28 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
-from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.cache.metadata import bucket
 from jaxinfer.config import ModelConfig
 from jaxinfer.distributed.engine_mesh import place_engine
 from jaxinfer.engine import recovery, speculation
+from jaxinfer.engine.buckets import measure_token_buckets
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.cycles import account, init_speculation
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.outputs import RequestOutput, StreamOutput
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler
-from jaxinfer.engine.step import (  # noqa: F401  (_copy_groups: re-exported)
+from jaxinfer.engine.step import (  # noqa: F401  (_step, _copy, _copy_groups: re-exported)
     _Batch,
     _copy,
     _copy_groups,
     _host_logprobs,
-    _padded,
     _step,
     _step_logprobs,
+    apply_copies,
+    build_batch,
 )
-from jaxinfer.model.params import check_params
+from jaxinfer.model.params import check_params, remembered_loop_layout
 from jaxinfer.ops.backend import resolve_platform
 from jaxinfer.requests import (
     GenerationOutput,
@@ -71,7 +75,7 @@ from jaxinfer.requests import (
     token_list,
     validate_requests,
 )
-from jaxinfer.sampling import SamplingBatch, SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -110,14 +114,21 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         check_params(cfg, params)
-        # Params as given. `inference_layout` pays off inside compiled loops (`ji.generate`, the
-        # speculative loop); with one compiled call per step it measured 2-20% slower at batch
-        # 1-32 on the shipped target.
         self.cfg, self.params, self.config = cfg, params, config
+        # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py).
+        lo = config.min_token_bucket
+        self.token_buckets = (
+            measure_token_buckets(cfg, lo) if config.token_buckets == "measured" else (bucket(lo),)
+        )  # fmt: skip
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
         self.platform = resolve_platform()  # once: every cache of this engine is for it
         self.mesh = place_engine(self)  # the cache; with EngineConfig.mesh, all on the TP mesh
+        # On a CPU the step runs on `inference_layout` (config.layout): a scan over stacked
+        # weights copies them every step (experiments/engine_step_profile.py). Not measured on a
+        # TP mesh: the params stay as placed there.
+        if config.layout == "auto" and self.mesh is None:
+            self.params = remembered_loop_layout(self.params, self.platform)  # as ji.generate
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)
@@ -247,6 +258,8 @@ class Engine:
           One StreamOutput per sample that received tokens, or failed, this step, in schedule
           order (failed requests last).
         """
+        t_start = time.perf_counter()  # the controller's step time: the whole step, host included
+        self._observe = None
         if self.spec is None:
             schedule = self.scheduler.schedule()
         else:
@@ -337,6 +350,8 @@ class Engine:
             prefix_cache_hits=self.allocator.prefix_cache_hits,
             prefix_cache_queries=self.allocator.prefix_cache_queries,
         )
+        if self._observe is not None:  # a decode-only speculative step (cycles.account)
+            self.controller.observe(*self._observe, time.perf_counter() - t_start)
         return stream
 
     # ------------------------------------------------------------------------ failures
@@ -384,42 +399,10 @@ class Engine:
             )  # fmt: skip
 
     def _apply_copies(self, copies: Sequence[tuple[int, int]]) -> None:
-        for group in _copy_groups(copies):
-            n = bucket(len(group))
-            src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
-            dst = np.zeros(n, np.int32)
-            src[: len(group)], dst[: len(group)] = zip(*group)
-            self.cache = _copy(self.cache, src, dst)
-            if self.dcache is not None:
-                self.dcache = _copy(self.dcache, src, dst)
+        apply_copies(self, copies)
 
     def _build(self, schedule: Schedule) -> _Batch:
-        """The padded device batch of a schedule (host only)."""
-        cfg = self.config
-        S = cfg.block_size
-        seqs = schedule.seqs
-        chunks = [
-            SeqChunk(s.token_ids, s.start_pos, s.block_table, "last" if s.sample else "none")
-            for s in seqs
-        ]
-        n_rows = sum(len(s.sample_seq_ids) for s in seqs)
-        b = bucket(max(len(seqs), n_rows), cfg.min_seq_bucket)
-        t = bucket(schedule.num_batched_tokens, cfg.min_token_bucket)
-        m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
-        meta, owner = build_metadata(
-            chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b
-        )
-        # One sample row per sampled sequence id: the logits row of its chunk, the position its
-        # token will occupy, its sample index and its request's settings.
-        row_of = {c: r for r, c in enumerate(owner.tolist()) if c >= 0}  # chunk -> logits row
-        rows = [(i, sid) for i, s in enumerate(seqs) for sid in s.sample_seq_ids]  # [R]
-        ids = [sid for _, sid in rows]
-        src = _padded([row_of[i] for i, _ in rows], b)
-        pos = _padded([seqs[i].start_pos + len(seqs[i].token_ids) for i, _ in rows], b)
-        index = _padded([self._sample_index[sid] for sid in ids], b)
-        sps = [self._live[seqs[i].request_id].sampling for i, _ in rows]
-        sb = SamplingBatch.from_params(sps, pad_to=b)
-        return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps))
+        return build_batch(self, schedule)
 
     def _run(self, batch: _Batch) -> dict[int, tuple[int, int]]:
         """Runs the jitted step; returns seq id -> (sampled token, or -1 for non-finite logits;
@@ -427,16 +410,13 @@ class Engine:
         self.step_shapes[batch.shape] += 1
         self._step_logprobs = {}
         k = max((sp.logprobs for sp in batch.sps if sp.logprobs is not None), default=None)
+        args = (self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index)
         if k is None:
-            tokens, self.cache = _step(
-                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
-                cfg=self.cfg, backend=self.config.backend,
-            )  # fmt: skip
+            tokens, self.cache = _step(*args, cfg=self.cfg, backend=self.config.backend)
         else:  # top-k padded to a power of two: few compilations
             (tokens, lp), self.cache = _step_logprobs(
-                self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
-                cfg=self.cfg, backend=self.config.backend, num_logprobs=bucket(max(k, 1)),
-            )  # fmt: skip
+                *args, cfg=self.cfg, backend=self.config.backend, num_logprobs=bucket(max(k, 1))
+            )
             self._step_logprobs = _host_logprobs(batch.ids, batch.sps, *(np.asarray(x) for x in lp))
         tokens = np.asarray(tokens).tolist()  # [B] the only device -> host transfer
         return {sid: (tok, p) for sid, tok, p in zip(batch.ids, tokens, batch.pos.tolist())}

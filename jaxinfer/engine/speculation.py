@@ -48,6 +48,7 @@ from jaxinfer.cache.metadata import (
 )
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.model.decoder import forward
 from jaxinfer.sampling import SamplingBatch, probs, sample
 from jaxinfer.speculative.acceptance import (
@@ -78,6 +79,7 @@ def _draft_model(
     sb: SamplingBatch,  # [Bd]
     cur: jax.Array,  # [Bd] int32 position n of each request's last committed token
     tables: jax.Array,  # [Bd, Md] int32, lookahead blocks included, null-padded
+    index: jax.Array,  # [Bd] int32 sample index: forks of an n > 1 request draft their own noise
     *,
     dcfg: ModelConfig,
     backend: str,
@@ -86,7 +88,7 @@ def _draft_model(
     acceptance: str,
 ) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
     """γ draft tokens per drafting request and their q: `([Bd, γ], [Bd, γ, V]), dcache`."""
-    pick = make_pick(sb, cur, acceptance)
+    pick = make_pick(sb, cur, acceptance, index)
     logits, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)  # [N, V]
     tok, q = pick(logits[first_rows], 0)  # d_1 at position n + 1
 
@@ -171,7 +173,7 @@ def build_mirror(engine, schedule, spec_idx: list[int], bd: int, gmax: int):
             chunks.append(SeqChunk([prev, s.token_ids[0]], s.start_pos - 1, table, "last"))
         else:
             chunks.append(SeqChunk(s.token_ids, s.start_pos, s.block_table, "none"))
-    t = bucket(sum(len(c.token_ids) for c in chunks), cfg.min_token_bucket)
+    t = pad_tokens(sum(len(c.token_ids) for c in chunks), engine.token_buckets)
     b = bucket(len(chunks), cfg.min_seq_bucket)
     md = bucket(max(-(-(schedule.seqs[i].start_pos + gmax) // S) for i in spec_idx), 1)
     longest = max(len(s.block_table) for s in schedule.seqs)  # lookahead blocks included
@@ -224,22 +226,24 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     q = None
     dtok = np.zeros((bd, gstep), np.int32)
     sps_d = [engine._live[seqs[i].request_id].sampling for i in spec_idx]
-    dm = spec.draft_model
+    dm = engine.draft_model
     if dm is not None:
         if spec_idx:
             cur = np.zeros(bd, np.int32)
             cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
             meta, first, tables = build_mirror(engine, schedule, spec_idx, bd, gstep)
             sbd = SamplingBatch.from_params(sps_d, pad_to=bd)
+            dindex = np.zeros(bd, np.int32)
+            dindex[: len(spec_idx)] = [engine._sample_index[seqs[i].seq_id] for i in spec_idx]
             (d, q), engine.dcache = _draft_model(
-                dm[1], engine.dcache, meta, first, sbd, cur, tables, dcfg=dm[0],
+                dm[1], engine.dcache, meta, first, sbd, cur, tables, dindex, dcfg=dm[0],
                 backend=cfg.backend, gamma=gstep, block_size=S, acceptance=spec.acceptance,
             )  # fmt: skip
             dtok = np.asarray(d)
         else:
             chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, "none") for s in seqs]
             meta, _ = build_metadata(
-                chunks, S, num_tokens=bucket(schedule.num_batched_tokens, cfg.min_token_bucket),
+                chunks, S, num_tokens=pad_tokens(schedule.num_batched_tokens, engine.token_buckets),
                 num_seqs=bucket(len(seqs), cfg.min_seq_bucket),
                 max_blocks=bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket),
                 num_logits=1,
@@ -271,7 +275,7 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
         len(c.token_ids) if c.logits == "all" else int(c.logits == "last") for c in chunks
     )
     b = bucket(max(len(seqs), len(sample_rows)), cfg.min_seq_bucket)
-    t = bucket(schedule.num_batched_tokens, cfg.min_token_bucket)
+    t = pad_tokens(schedule.num_batched_tokens, engine.token_buckets)
     m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
     meta, owner = build_metadata(
         chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=bucket(n_logits, b)

@@ -1,5 +1,6 @@
 """The engine's jitted device functions: the step (forward over the paged cache, then sampling),
-its logprobs variant, and copy-on-write block copies; plus their host-side helpers.
+its logprobs variant, and copy-on-write block copies; plus the host side that builds a step's
+padded batch from a `Schedule` and runs it (`build_batch`, `apply_copies`; `Engine._run` runs it).
 
 The cache is donated to every call, so it is updated in place. Tests count compilations with the
 jitted functions' own `_cache_size()`.
@@ -15,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache.metadata import BatchMetadata, finite_rows
+from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metadata, finite_rows
 from jaxinfer.cache.paged import PagedKVCache, copy_blocks
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.buckets import pad_tokens
+from jaxinfer.engine.scheduler import Schedule
 from jaxinfer.model.decoder import forward
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
@@ -112,3 +115,46 @@ def _padded(values: list[int], n: int) -> np.ndarray:
     out = np.zeros(n, np.int32)
     out[: len(values)] = values
     return out
+
+
+# ------------------------------------------------------------------------------- host side
+
+
+def apply_copies(engine, copies: Sequence[tuple[int, int]]) -> None:
+    """Applies a schedule's copy-on-write block copies to the engine's caches (target, draft)."""
+    for group in _copy_groups(copies):
+        n = bucket(len(group))
+        src = np.zeros(n, np.int32)  # padding: null block 0 -> 0, harmless
+        dst = np.zeros(n, np.int32)
+        src[: len(group)], dst[: len(group)] = zip(*group)
+        engine.cache = _copy(engine.cache, src, dst)
+        if engine.dcache is not None:
+            engine.dcache = _copy(engine.dcache, src, dst)
+
+
+def build_batch(engine, schedule: Schedule) -> _Batch:
+    """The padded device batch of a schedule (host only). T is padded to the engine's measured
+    token buckets (`buckets.py`), B and M to powers of two above their minimums."""
+    cfg = engine.config
+    S = cfg.block_size
+    seqs = schedule.seqs
+    chunks = [
+        SeqChunk(s.token_ids, s.start_pos, s.block_table, "last" if s.sample else "none")
+        for s in seqs
+    ]
+    n_rows = sum(len(s.sample_seq_ids) for s in seqs)
+    b = bucket(max(len(seqs), n_rows), cfg.min_seq_bucket)
+    t = pad_tokens(schedule.num_batched_tokens, engine.token_buckets)
+    m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
+    meta, owner = build_metadata(chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b)
+    # One sample row per sampled sequence id: the logits row of its chunk, the position its
+    # token will occupy, its sample index and its request's settings.
+    row_of = {c: r for r, c in enumerate(owner.tolist()) if c >= 0}  # chunk -> logits row
+    rows = [(i, sid) for i, s in enumerate(seqs) for sid in s.sample_seq_ids]  # [R]
+    ids = [sid for _, sid in rows]
+    src = _padded([row_of[i] for i, _ in rows], b)
+    pos = _padded([seqs[i].start_pos + len(seqs[i].token_ids) for i, _ in rows], b)
+    index = _padded([engine._sample_index[sid] for sid in ids], b)
+    sps = [engine._live[seqs[i].request_id].sampling for i, _ in rows]
+    sb = SamplingBatch.from_params(sps, pad_to=b)
+    return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps))

@@ -32,10 +32,25 @@ def cycle_keys(sb: SamplingBatch, cur: jax.Array, tag: int) -> jax.Array:
     return jax.vmap(one)(sb.seed, cur)
 
 
-def make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
-    """The draft's token choice at draft step j (position cur + 1 + j), and its q."""
+def make_pick(
+    sb: SamplingBatch, cur: jax.Array, acceptance: str, sample_index: jax.Array | None = None
+):
+    """The draft's token choice at draft step j (position cur + 1 + j), and its q.
+
+    `sample_index` `[B]` (the engine's n > 1 forks): a fork i > 0 drafts with its own noise,
+    the rejection stream's keys folded with i and, in coupled mode, the target's noise of that
+    fork (`gumbel_noise(..., sample_index)`); None or 0 gives sample 0's, the loop's.
+    """
     greedy = sb.temperature <= 0  # [B]
     draft_keys = cycle_keys(sb, cur, DRAFT_TAG)  # [B]
+    if sample_index is not None:
+        folded = jax.vmap(jax.random.fold_in)(draft_keys, sample_index)
+        data = jnp.where(
+            (sample_index > 0)[:, None],
+            jax.random.key_data(folded),
+            jax.random.key_data(draft_keys),
+        )  # [B, 2] uint32
+        draft_keys = jax.random.wrap_key_data(data)
 
     def pick(logits, j):  # logits [B, V] -> (tokens [B], q [B, V])
         v = logits.shape[-1]
@@ -47,7 +62,7 @@ def make_pick(sb: SamplingBatch, cur: jax.Array, acceptance: str):
         def mixed():
             x = process_logits(logits, sb)  # [B, V]
             if acceptance == "coupled":  # the target's own noise at that position
-                g = gumbel_noise(sb.seed, cur + 1 + j, v)
+                g = gumbel_noise(sb.seed, cur + 1 + j, v, sample_index)
             else:
                 g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, j), (v,)))(
                     draft_keys

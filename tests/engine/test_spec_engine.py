@@ -256,3 +256,24 @@ def test_bad_configuration_is_a_value_error(pair):
     engine = Engine(cfg, params, EngineConfig(speculative=SpeculativeConfig()))
     with pytest.raises(ValueError, match="logprobs"):
         engine.add_request([1, 2, 3], ji.SamplingParams(logprobs=2))
+
+
+def test_controller_times_whole_steps(pair, tmp_path):
+    """The controller's table holds each decode-only step's whole time (host work included), so
+    every observation exceeds that step's draft + verify time in the cycle log."""
+    (cfg, params), _ = pair
+    log = str(tmp_path / "cycles.jsonl")
+    spec = SpeculativeConfig(drafter="ngram", num_speculative_tokens=2)
+    engine = Engine(cfg, params, _ecfg(spec, 16, cycle_log=log))
+    seen = []
+    observe = engine.controller.observe
+    engine.controller.observe = lambda g, b, s: (seen.append((engine.num_steps, g, b, s)),
+                                                 observe(g, b, s))  # fmt: skip
+    sp = ji.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.generate(_prompts(cfg)[:2], sp)
+    records = read_engine_log(log)
+    assert len(seen) >= 5  # decode-only steps of two requests
+    for step, g, b, s in seen:
+        mine = [r for r in records if r["step"] == step]
+        assert g == max(r["gamma"] for r in mine) and b == mine[0]["batch_size"]
+        assert s > (mine[0]["draft_ms"] + mine[0]["verify_ms"]) / 1e3

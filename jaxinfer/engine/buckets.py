@@ -1,0 +1,87 @@
+"""Token padding buckets of the engine's step, chosen by a cost table measured at construction.
+
+A step's T (tokens) is padded to a bucket so a run compiles a bounded number of times. A fixed
+minimum (the old `min_token_bucket=16`) makes every decode step of a few requests pay for 16 rows:
+on a CPU a 16-row float32 GEMM costs ~2-3x the GEMV of one row, and a memory-bound GPU step
+costs about the same at 1 and 16 rows. So the engine measures instead of assuming:
+
+    buckets = measure_token_buckets(cfg, lo=1, hi=16)   # e.g. (1, 2, 4, 16) on a CPU
+    t = pad_tokens(n, buckets)                          # the smallest kept bucket >= n; then 2^k
+
+The cost table times one product of the step's size class, the output projection `[T, E] @
+[E, V]` in the model's dtype (memory-bound as the whole step is: a smaller product stays in cache
+and its dispatch hides the cost of its rows), at each power of two T in lo..hi: a few ms of
+compilation, not a model step's.
+Going down from hi, a bucket is kept when it costs at most `1 - margin` of the smallest bucket
+kept above it: padding a step to the next kept bucket then costs less than `margin` more, and
+each dropped bucket is one compilation fewer. Past hi, T is a power of two as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.cache.metadata import bucket
+from jaxinfer.config import ModelConfig
+
+MARGIN = 0.1  # keep a bucket when it saves at least this fraction of the next kept one's cost
+_REPEATS = 15  # timed calls per T; the table keeps the minimum (the least disturbed)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _probe(w: jax.Array, rows: int) -> jax.Array:
+    x = jnp.ones((rows, w.shape[0]), w.dtype)  # [T, E]
+    return x @ w  # [T, V]
+
+
+def cost_table(cfg: ModelConfig, sizes: Sequence[int]) -> dict[int, float]:
+    """Seconds of one `[T, E] @ [E, V]` product (the output projection, the model's dtype) for
+    each T in `sizes`, the minimum of `_REPEATS` round-robin calls after a compiling one."""
+    w = jnp.ones((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)  # [E, V]
+    for t in sizes:
+        _probe(w, t).block_until_ready()  # compiles
+    table = dict.fromkeys(sizes, np.inf)
+    for _ in range(_REPEATS):  # round-robin: a busy spell of a shared machine hits every T
+        for t in sizes:
+            t0 = time.perf_counter()
+            _probe(w, t).block_until_ready()
+            table[t] = min(table[t], time.perf_counter() - t0)
+    return table
+
+
+def choose_buckets(table: dict[int, float], margin: float = MARGIN) -> tuple[int, ...]:
+    """The kept buckets of a cost table {T: seconds} (see the module docstring); the largest T
+    is always kept."""
+    sizes = sorted(table)
+    kept = [sizes[-1]]
+    for t in reversed(sizes[:-1]):
+        if table[t] <= (1 - margin) * table[kept[-1]]:
+            kept.append(t)
+    return tuple(sorted(kept))
+
+
+@functools.lru_cache(maxsize=64)
+def measure_token_buckets(cfg: ModelConfig, lo: int, hi: int = 16) -> tuple[int, ...]:
+    """The token buckets for T up to `bucket(hi)`, from `lo` (a power of two is taken above it),
+    chosen by a measured cost table. Measured once per (cfg, lo, hi) in a process, so engines
+    built alike (a benchmark's, a warm-up's) pad alike and share their compilations."""
+    lo, hi = bucket(lo), bucket(max(lo, hi))
+    sizes = [1 << k for k in range(lo.bit_length() - 1, hi.bit_length())]
+    if len(sizes) == 1:
+        return (lo,)
+    return choose_buckets(cost_table(cfg, sizes))
+
+
+def pad_tokens(n: int, buckets: Sequence[int]) -> int:
+    """The padded T of a step of n tokens: the smallest bucket >= n, or a power of two past the
+    largest bucket."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return bucket(n)

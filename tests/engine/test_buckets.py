@@ -1,0 +1,74 @@
+"""Token padding buckets chosen by a cost table (`jaxinfer/engine/buckets.py`) and the step's
+params layout (`EngineConfig.layout`), against `ji.generate`."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.engine.buckets import choose_buckets, measure_token_buckets, pad_tokens
+from tests.helpers import random_params
+
+CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
+BASE = dict(block_size=4, num_blocks=65, max_num_seqs=4, backend="reference")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, seed=3)
+
+
+def test_choose_buckets_keeps_the_buckets_worth_their_compilation():
+    # 1 saves under 10% of 2 (1.0 > 0.9 * 1.05): dropped; 2 saves 12.5% of 4: kept; and so on.
+    table = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.5, 16: 3.0}
+    assert choose_buckets(table) == (2, 4, 8, 16)
+    assert choose_buckets({1: 1.0, 2: 1.0, 4: 1.01, 8: 0.99, 16: 1.02}) == (16,)  # flat: GPU-like
+    assert choose_buckets({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}) == (1, 2, 4, 8, 16)
+    assert choose_buckets(table, margin=0.0) == (1, 2, 4, 8, 16)
+
+
+def test_pad_tokens():
+    buckets = (2, 4, 16)
+    got = [pad_tokens(n, buckets) for n in (1, 2, 3, 5, 16, 17, 100)]
+    assert got == [2, 2, 4, 16, 16, 32, 128]
+
+
+def test_measure_token_buckets_range():
+    assert measure_token_buckets(CFG, 16) == (16,)  # nothing to measure
+    assert measure_token_buckets(CFG, 64) == (64,)
+    got = measure_token_buckets(CFG, 3)  # from 4 up to 16
+    assert got[-1] == 16 and set(got) <= {4, 8, 16} and list(got) == sorted(got)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(min_token_bucket=1, token_buckets="pow2", layout="stacked"),
+        dict(min_token_bucket=1, token_buckets="measured", layout="auto"),
+        dict(min_token_bucket=16, token_buckets="pow2", layout="auto"),
+    ],
+)
+def test_engine_buckets_and_layout_match_generate(params, extra):
+    engine = Engine(CFG, params, EngineConfig(**BASE, **extra))
+    if extra["token_buckets"] == "pow2":
+        assert engine.token_buckets == (extra["min_token_bucket"],)
+    stacked = isinstance(engine.params["layers"], dict)
+    assert stacked == (extra["layout"] == "stacked" or jax.default_backend() != "cpu")
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1]]
+    sp = ji.SamplingParams(temperature=0.0, max_tokens=9)
+    got = [o.token_ids for o in engine.generate(prompts, sp)]
+    want = [o.token_ids for o in ji.generate(CFG, params, prompts, sp)]
+    assert got == want
+    ts = {shape[0] for shape in engine.step_shapes}
+    # Every step's T is a kept bucket or a power of two past the largest one.
+    assert all(t in engine.token_buckets or t > engine.token_buckets[-1] for t in ts), ts
+    if extra == dict(min_token_bucket=1, token_buckets="pow2", layout="stacked"):
+        assert min(ts) <= 4  # decode steps of 3 requests are not padded to 16 rows
+
+
+@pytest.mark.parametrize("field,value", [("token_buckets", "fixed"), ("layout", "unrolled")])
+def test_bad_bucket_and_layout_settings(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        EngineConfig(**{field: value})
