@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # `python experiments/bench_serve.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxinfer as ji  # noqa: E402
+from experiments import common  # noqa: E402
 from experiments import serve_bench as sb  # noqa: E402  (its flags are ours too)
 from jaxinfer.engine import SLO, MetricsCollector  # noqa: E402
 
@@ -104,12 +105,16 @@ class ServerProcess:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         self.url = None
-        for line in self.proc.stdout:
-            logging.info("server: %s", line.rstrip())
-            m = re.match(r"serving \S+ at (\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
+        try:
+            for line in self.proc.stdout:
+                logging.info("server: %s", line.rstrip())
+                m = re.match(r"serving \S+ at (\S+)", line)
+                if m:
+                    self.url = m.group(1)
+                    break
+        except BaseException:  # interrupted while it starts: it must not outlive us
+            self.stop()
+            raise
         if self.url is None:
             self.stop()
             raise RuntimeError(f"the server did not start (exit {self.proc.returncode})")
@@ -342,10 +347,6 @@ def soak(base_url, model, bc, vocab, server: ServerProcess | None) -> dict:
     return out
 
 
-def _fmt(x, d=3):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
-
-
 def markdown(bc, slo, results, command) -> str:
     lines = [
         "# Serving benchmark over HTTP", "", f"`{command}`", "",
@@ -354,10 +355,7 @@ def markdown(bc, slo, results, command) -> str:
         f"{slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s:.4f} s. {bc.num_requests} requests per rate; "
         f"burstiness {_BURSTINESS.value}; max concurrency {_MAX_CONCURRENCY.value or '∞'}.", "",
     ]  # fmt: skip
-    head = (
-        "| rate (req/s) | path | out tok/s | req/s | goodput | TTFT p50 / p90 / p99 (s) | "
-        "TPOT p50 / p90 / p99 (ms) | 503 | failed |"
-    )
+    head = f"| rate (req/s) | path | {common.SERVING_HEAD} | 503 | failed |"
     for name, w in results.items():
         lines += [f"## {name} (HTTP capacity {w['capacity_rps']:.2f} req/s)", "", head]
         lines.append("|" + "---|" * 9)
@@ -370,14 +368,9 @@ def markdown(bc, slo, results, command) -> str:
                 if m is None:
                     lines.append(f"| {rate:.2f} | {path} | no request completed |||||||")
                     continue
-                t, p = m["ttft"], m["tpot"]
                 lines.append(
-                    f"| {rate:.2f} | {path} | {_fmt(m['output_throughput'], 1)} | "
-                    f"{_fmt(m['request_throughput'], 2)} | {_fmt(m['goodput'], 2)} | "
-                    f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
-                    f"{_fmt(1e3 * p['p50'], 1)} / {_fmt(1e3 * p['p90'], 1)} / "
-                    f"{_fmt(1e3 * p['p99'], 1)} | {out.get('rejected_503', '—')} | "
-                    f"{out.get('failed', '—')} |"
+                    f"| {rate:.2f} | {path} | {common.serving_cells(m)} | "
+                    f"{out.get('rejected_503', '—')} | {out.get('failed', '—')} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -427,6 +420,9 @@ def main(argv):
     cfg_params = ji.load_checkpoint(model_path) if (in_process or not attach) else None
     vocab = cfg_params[0].vocab_size if cfg_params else 4096
     max_waiting = _SOAK_MAX_WAITING.value if _SOAK.value else _MAX_WAITING.value
+    # SIGTERM / SIGINT end the run through the `finally` below, which stops our server.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, _: sys.exit(128 + num))
     server = None if attach else ServerProcess(model_path, bc, max_waiting)
     t0 = time.perf_counter()
     try:

@@ -5,7 +5,7 @@ HTTP handlers never touch the `Engine`. They `submit` requests, `abort` them and
 applies between steps, so an abort frees its blocks before the next step runs. After each step
 the thread hands every request's new `StreamOutput`s to that request's sink (a callable that the
 handler makes thread-safe, `loop.call_soon_threadsafe(queue.put_nowait, ...)`), samples the
-gauges, and times the request for the metrics.
+gauges, mirrors the speculative counters, and times the request for the metrics.
 
 A failed step fails only its own requests. With the hardened engine (`StreamOutput.error`,
 `finish_reason="error"`) the error arrives in the outputs; an engine whose `step()` raises
@@ -84,6 +84,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self.error: BaseException | None = None  # set if the thread itself died
         self._q = self._h = 0  # prefix-cache queries / hits already counted
+        self.speculative = engine.config.speculative
+        if self.speculative is not None:
+            self.metrics.enable_speculation(self.speculative.max_gamma)
 
     # ----------------------------------------------------------------- handler side
 
@@ -268,6 +271,9 @@ class AsyncEngine:
                 track.reason = "error" if errors else group[-1].finish_reason
                 self._finish(rid, now)
         self.metrics.preemptions.inc(len(schedule.preempted_seq_ids) if schedule else 0)
+        if self.speculative is not None and schedule is not None and schedule.seqs:
+            gamma = max(s.num_lookahead for s in schedule.seqs)
+            self.metrics.on_spec_step(self.engine.spec_counters, gamma)
 
     def _fail_step(self, e: Exception) -> None:
         """A step that raised: fail the requests it scheduled, restore the scheduler."""
