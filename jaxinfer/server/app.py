@@ -270,11 +270,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
             None, "queue_full",
         )  # fmt: skip
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def sink(items):
-        loop.call_soon_threadsafe(queue.put_nowait, items)
-
+    queue: asyncio.Queue = asyncio.Queue()  # filled on this loop by the engine thread
     base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     rids = [f"{base}-{i}" for i in range(len(prompts))]
     prompt_lps = None
@@ -285,7 +281,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     except BaseException:
         engine.release(len(prompts))
         raise
-    futs = [engine.submit(p, sp, rid, sink) for p, rid in zip(prompts, rids)]
+    futs = [engine.submit(p, sp, rid, queue.put_nowait, loop) for p, rid in zip(prompts, rids)]
     results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
     bad = [r for r in results if isinstance(r, BaseException)]
     if bad:

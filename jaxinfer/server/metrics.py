@@ -9,6 +9,8 @@ engine (the HTTP layer adds its own, small, delay before a client sees them):
   jaxinfer:time_per_output_token_seconds  a request's (last token - first token) / (tokens - 1)
   jaxinfer:e2e_request_latency_seconds    finish - arrival
   jaxinfer:request_queue_time_seconds     first scheduled - arrival
+  jaxinfer:engine_step_seconds            one `Engine.step()` on the engine thread (device and
+                                          host work, GIL waits included)
 
 Gauges are sampled after every engine step: running / waiting requests, KV blocks used (and as a
 fraction), blocks still held by requests whose client went away (0 once their abort applied),
@@ -91,6 +93,9 @@ class ServerMetrics:
             "jaxinfer:request_queue_time_seconds",
             "Time waiting before scheduled.",
             _LATENCY_BUCKETS,
+        )
+        self.step_time = hist(
+            "jaxinfer:engine_step_seconds", "Wall time of one engine step.", _TOKEN_BUCKETS
         )
         self.running = gauge("jaxinfer:num_requests_running", "Requests holding KV blocks.")
         self.waiting = gauge("jaxinfer:num_requests_waiting", "Requests not yet producing tokens.")

@@ -99,6 +99,7 @@ def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, sp
     by_gamma = _series(spec_server, "jaxinfer:spec_decode_steps_total")
     assert set(by_gamma) == {f'gamma="{g}"' for g in range(SPEC.max_gamma + 1)}
     assert sum(by_gamma.values()) == steps
+    assert total("jaxinfer:engine_step_seconds_count") == steps  # every step timed
     assert by_gamma['gamma="0"'] < steps  # auto γ drafted on some steps
 
     # The engine's cycle log: one line per row per speculative step, summing to the counters.
