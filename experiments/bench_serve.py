@@ -133,6 +133,15 @@ class ServerProcess:
         except (OSError, StopIteration):
             return None
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the server process used so far."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after 30 s; returns the exit status."""
         if self.proc.poll() is None:
@@ -286,7 +295,16 @@ def derive_slo(base_url, model, bc) -> SLO:
 # ------------------------------------------------------------------------------ runs
 
 
-def sweep(base_url, model, bc, slo, vocab, in_process) -> dict:
+def _cpu_ms_per_token(seconds: float | None, out: dict) -> float | None:
+    m = out.get("summary")
+    if seconds is None or not m or not m["total_output_tokens"]:
+        return None
+    return 1e3 * seconds / m["total_output_tokens"]
+
+
+def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
+    """Each rate over HTTP, then in-process; with CPU ms per output token of the server
+    process, of this process's clients, and of the in-process engine (this process)."""
     out = {}
     for name in bc.workloads:
         cap = capacity(base_url, model, name, bc, vocab)
@@ -294,13 +312,27 @@ def sweep(base_url, model, bc, slo, vocab, in_process) -> dict:
         runs = {"http": [], "in_process": []}
         for rate in rates:
             reqs = arrivals(name, bc, rate, bc.num_requests, vocab)
-            runs["http"].append(
-                summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+            load = common.load_average()
+            srv0, cli0 = server.cpu_s() if server else None, time.process_time()
+            out = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+            srv1, cli1 = server.cpu_s() if server else None, time.process_time()
+            srv_s = srv1 - srv0 if srv0 is not None and srv1 is not None else None
+            out.update(
+                load_avg_1m=load,
+                server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, out),
+                client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, out),
             )
+            runs["http"].append(out)
             if in_process is not None:
                 cfg, params = in_process
                 ecfg = sb.engine_config(bc, "engine")
-                runs["in_process"].append(sb.run_engine(cfg, params, ecfg, reqs, slo))
+                load, cpu0 = common.load_average(), time.process_time()
+                out = sb.run_engine(cfg, params, ecfg, reqs, slo)
+                out.update(
+                    load_avg_1m=load,
+                    server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, out),
+                )
+                runs["in_process"].append(out)
             logging.info("%s @ %.2f req/s done", name, rate)
         out[name] = {"capacity_rps": cap, "rates": rates, "runs": runs}
     return out
@@ -355,10 +387,13 @@ def markdown(bc, slo, results, command) -> str:
         f"{slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s:.4f} s. {bc.num_requests} requests per rate; "
         f"burstiness {_BURSTINESS.value}; max concurrency {_MAX_CONCURRENCY.value or '∞'}.", "",
     ]  # fmt: skip
-    head = f"| rate (req/s) | path | {common.SERVING_HEAD} | 503 | failed |"
+    head = (
+        f"| rate (req/s) | path | {common.SERVING_HEAD} | 503 | failed | CPU ms/token: server or "
+        "in-process / clients | load 1m |"
+    )
     for name, w in results.items():
         lines += [f"## {name} (HTTP capacity {w['capacity_rps']:.2f} req/s)", "", head]
-        lines.append("|" + "---|" * 9)
+        lines.append("|" + "---|" * 11)
         for k, rate in enumerate(w["rates"]):
             for path in ("http", "in_process"):
                 if len(w["runs"][path]) <= k:
@@ -366,11 +401,14 @@ def markdown(bc, slo, results, command) -> str:
                 out = w["runs"][path][k]
                 m = out["summary"]
                 if m is None:
-                    lines.append(f"| {rate:.2f} | {path} | no request completed |||||||")
+                    lines.append(f"| {rate:.2f} | {path} | no request completed |||||||||")
                     continue
                 lines.append(
                     f"| {rate:.2f} | {path} | {common.serving_cells(m)} | "
-                    f"{out.get('rejected_503', '—')} | {out.get('failed', '—')} |"
+                    f"{out.get('rejected_503', '—')} | {out.get('failed', '—')} | "
+                    f"{common.fmt(out.get('server_cpu_ms_per_token'), 2)} / "
+                    f"{common.fmt(out.get('client_cpu_ms_per_token'), 2)} | "
+                    f"{common.fmt(out.get('load_avg_1m'), 1)} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -437,7 +475,7 @@ def main(argv):
             if in_process:
                 sb.warm_engine(*cfg_params, sb.engine_config(bc, "engine"), bc.max_len)
             results = sweep(
-                base_url, model, bc, slo, vocab, cfg_params if in_process else None
+                base_url, model, bc, slo, vocab, cfg_params if in_process else None, server
             )  # fmt: skip
             command = "python experiments/bench_serve.py " + " ".join(sys.argv[1:])
             pngs = plot(results, workdir)
