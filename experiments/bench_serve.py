@@ -314,25 +314,25 @@ def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
             reqs = arrivals(name, bc, rate, bc.num_requests, vocab)
             load = common.load_average()
             srv0, cli0 = server.cpu_s() if server else None, time.process_time()
-            out = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+            res = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
             srv1, cli1 = server.cpu_s() if server else None, time.process_time()
             srv_s = srv1 - srv0 if srv0 is not None and srv1 is not None else None
-            out.update(
+            res.update(
                 load_avg_1m=load,
-                server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, out),
-                client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, out),
+                server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, res),
+                client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, res),
             )
-            runs["http"].append(out)
+            runs["http"].append(res)
             if in_process is not None:
                 cfg, params = in_process
                 ecfg = sb.engine_config(bc, "engine")
                 load, cpu0 = common.load_average(), time.process_time()
-                out = sb.run_engine(cfg, params, ecfg, reqs, slo)
-                out.update(
+                res = sb.run_engine(cfg, params, ecfg, reqs, slo)
+                res.update(
                     load_avg_1m=load,
-                    server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, out),
+                    server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, res),
                 )
-                runs["in_process"].append(out)
+                runs["in_process"].append(res)
             logging.info("%s @ %.2f req/s done", name, rate)
         out[name] = {"capacity_rps": cap, "rates": rates, "runs": runs}
     return out
