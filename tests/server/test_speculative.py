@@ -41,7 +41,10 @@ def spec_server(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_client(spec_server):
-    return openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0)
+    # A long timeout: a hang guard (the first requests compile the speculative step).
+    return openai.OpenAI(
+        base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=1800
+    )
 
 
 def _series(server, name: str) -> dict[str, float]:
