@@ -102,12 +102,16 @@ class ServerProcess:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         self.url = None
-        for line in self.proc.stdout:
-            logging.info("server: %s", line.rstrip())
-            m = re.match(r"serving \S+ at (\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
+        try:
+            for line in self.proc.stdout:
+                logging.info("server: %s", line.rstrip())
+                m = re.match(r"serving \S+ at (\S+)", line)
+                if m:
+                    self.url = m.group(1)
+                    break
+        except BaseException:  # interrupted while it starts: it must not outlive us
+            self.stop()
+            raise
         if self.url is None:
             self.stop()
             raise RuntimeError(f"the server did not start (exit {self.proc.returncode})")
@@ -124,6 +128,15 @@ class ServerProcess:
                 kb = next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
             return kb / 1024
         except (OSError, StopIteration):
+            return None
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the server process used so far."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
             return None
 
     def stop(self) -> int | None:
@@ -279,7 +292,16 @@ def derive_slo(base_url, model, bc) -> SLO:
 # ------------------------------------------------------------------------------ runs
 
 
-def sweep(base_url, model, bc, slo, vocab, in_process) -> dict:
+def _cpu_ms_per_token(seconds: float | None, out: dict) -> float | None:
+    m = out.get("summary")
+    if seconds is None or not m or not m["total_output_tokens"]:
+        return None
+    return 1e3 * seconds / m["total_output_tokens"]
+
+
+def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
+    """Each rate over HTTP, then in-process; with CPU ms per output token of the server
+    process, of this process's clients, and of the in-process engine (this process)."""
     out = {}
     for name in bc.workloads:
         cap = capacity(base_url, model, name, bc, vocab)
@@ -287,13 +309,27 @@ def sweep(base_url, model, bc, slo, vocab, in_process) -> dict:
         runs = {"http": [], "in_process": []}
         for rate in rates:
             reqs = arrivals(name, bc, rate, bc.num_requests, vocab)
-            runs["http"].append(
-                summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+            load = common.load_average()
+            srv0, cli0 = server.cpu_s() if server else None, time.process_time()
+            res = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+            srv1, cli1 = server.cpu_s() if server else None, time.process_time()
+            srv_s = srv1 - srv0 if srv0 is not None and srv1 is not None else None
+            res.update(
+                load_avg_1m=load,
+                server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, res),
+                client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, res),
             )
+            runs["http"].append(res)
             if in_process is not None:
                 cfg, params = in_process
                 ecfg = sb.engine_config(bc, "engine")
-                runs["in_process"].append(sb.run_engine(cfg, params, ecfg, reqs, slo))
+                load, cpu0 = common.load_average(), time.process_time()
+                res = sb.run_engine(cfg, params, ecfg, reqs, slo)
+                res.update(
+                    load_avg_1m=load,
+                    server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, res),
+                )
+                runs["in_process"].append(res)
             logging.info("%s @ %.2f req/s done", name, rate)
         out[name] = {"capacity_rps": cap, "rates": rates, "runs": runs}
     return out
@@ -340,10 +376,6 @@ def soak(base_url, model, bc, vocab, server: ServerProcess | None) -> dict:
     return out
 
 
-def _fmt(x, d=3):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
-
-
 def markdown(bc, slo, results, command) -> str:
     lines = [
         "# Serving benchmark over HTTP", "", f"`{command}`", "",
@@ -353,12 +385,12 @@ def markdown(bc, slo, results, command) -> str:
         f"burstiness {_BURSTINESS.value}; max concurrency {_MAX_CONCURRENCY.value or '∞'}.", "",
     ]  # fmt: skip
     head = (
-        "| rate (req/s) | path | out tok/s | req/s | goodput | TTFT p50 / p90 / p99 (s) | "
-        "TPOT p50 / p90 / p99 (ms) | 503 | failed |"
+        f"| rate (req/s) | path | {common.SERVING_HEAD} | 503 | failed | CPU ms/token: server or "
+        "in-process / clients | load 1m |"
     )
     for name, w in results.items():
         lines += [f"## {name} (HTTP capacity {w['capacity_rps']:.2f} req/s)", "", head]
-        lines.append("|" + "---|" * 9)
+        lines.append("|" + "---|" * 11)
         for k, rate in enumerate(w["rates"]):
             for path in ("http", "in_process"):
                 if len(w["runs"][path]) <= k:
@@ -366,16 +398,14 @@ def markdown(bc, slo, results, command) -> str:
                 out = w["runs"][path][k]
                 m = out["summary"]
                 if m is None:
-                    lines.append(f"| {rate:.2f} | {path} | no request completed |||||||")
+                    lines.append(f"| {rate:.2f} | {path} | no request completed |||||||||")
                     continue
-                t, p = m["ttft"], m["tpot"]
                 lines.append(
-                    f"| {rate:.2f} | {path} | {_fmt(m['output_throughput'], 1)} | "
-                    f"{_fmt(m['request_throughput'], 2)} | {_fmt(m['goodput'], 2)} | "
-                    f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
-                    f"{_fmt(1e3 * p['p50'], 1)} / {_fmt(1e3 * p['p90'], 1)} / "
-                    f"{_fmt(1e3 * p['p99'], 1)} | {out.get('rejected_503', '—')} | "
-                    f"{out.get('failed', '—')} |"
+                    f"| {rate:.2f} | {path} | {common.serving_cells(m)} | "
+                    f"{out.get('rejected_503', '—')} | {out.get('failed', '—')} | "
+                    f"{common.fmt(out.get('server_cpu_ms_per_token'), 2)} / "
+                    f"{common.fmt(out.get('client_cpu_ms_per_token'), 2)} | "
+                    f"{common.fmt(out.get('load_avg_1m'), 1)} |"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -424,6 +454,9 @@ def main(argv):
     cfg_params = ji.load_checkpoint(model_path) if (in_process or not attach) else None
     vocab = cfg_params[0].vocab_size if cfg_params else 4096
     max_waiting = _SOAK_MAX_WAITING.value if _SOAK.value else _MAX_WAITING.value
+    # SIGTERM / SIGINT end the run through the `finally` below, which stops our server.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, _: sys.exit(128 + num))
     server = None if attach else ServerProcess(model_path, bc, max_waiting)
     t0 = time.perf_counter()
     try:
@@ -438,7 +471,7 @@ def main(argv):
             if in_process:
                 sb.warm_engine(*cfg_params, sb.engine_config(bc, "engine"), bc.max_len)
             results = sweep(
-                base_url, model, bc, slo, vocab, cfg_params if in_process else None
+                base_url, model, bc, slo, vocab, cfg_params if in_process else None, server
             )  # fmt: skip
             command = "python experiments/bench_serve.py " + " ".join(sys.argv[1:])
             pngs = plot(results, workdir)

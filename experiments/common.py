@@ -32,6 +32,7 @@ it was pretrained: one `<|endoftext|>` (or the config's eos) after each document
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -122,6 +123,25 @@ def gb_per_s(nbytes: int, reads: int, seconds: float) -> float:
     the drafter's per drafted token). GB = 1e9 bytes.
     """
     return nbytes * reads / seconds / 1e9
+
+
+def fmt(x, digits: int = 3) -> str:
+    """A table cell: x with `digits` decimals; "—" for None or NaN."""
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+# The serving columns of a results table (serve_bench, bench_serve): `serving_cells` fills them.
+SERVING_HEAD = "out tok/s | req/s | goodput | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms)"
+
+
+def serving_cells(m: dict) -> str:
+    """The `SERVING_HEAD` cells of a `MetricsSummary.to_dict()`, joined by " | "."""
+    t, p = m["ttft"], m["tpot"]
+    return " | ".join([
+        fmt(m["output_throughput"], 1), fmt(m["request_throughput"], 2), fmt(m["goodput"], 2),
+        " / ".join(fmt(t[q]) for q in ("p50", "p90", "p99")),
+        " / ".join(fmt(None if p[q] is None else 1e3 * p[q], 1) for q in ("p50", "p90", "p99")),
+    ])  # fmt: skip
 
 
 def write_json(workdir: str, name: str, obj) -> str:

@@ -3,11 +3,22 @@ r"""Serves a model over the OpenAI HTTP API (jaxinfer.server) until SIGTERM or C
     python experiments/serve.py --model=target --port=8000
     python experiments/serve.py --model=/path/to/hf_dir --chat_template=template.jinja \
         --num_blocks=2048 --max_num_seqs=32 --max_waiting=128 --request_log=requests.jsonl
+    python experiments/serve.py --model=smollm2-135m --speculative=ngram \
+        --num_speculative_tokens=auto --max_gamma=4 --cycle_log=cycles.jsonl
 
 --model is a shipped model name (jaxinfer.models.names()) or an HF checkpoint directory.
 --port=0 picks a free port. Once the server accepts connections it prints one line
 `serving MODEL at http://HOST:PORT` (scripts wait for it). SIGTERM stops admitting, gives
 in-flight requests --shutdown_timeout seconds, aborts the rest, and exits 0.
+
+--speculative=ngram (prompt lookup) or =model (with --draft_model) serves with speculative
+decoding (`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and
+step, or `auto` (the engine's controller picks γ in 0..--max_gamma every step; --warmup then also
+measures its step-time table). /metrics then has the acceptance counters (drafts, draft and
+accepted tokens, per position) and the γ of each step; --cycle_log writes the engine's JSONL
+record of every request's every speculative step (jaxinfer/engine/cycles.py). --request_log
+writes one JSON line per finished request (arrival, first token, finish, tokens, finish reason).
+Requests with logprobs get a 400 while speculation is on (the engine does not return them).
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from absl import app, flags, logging
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.engine import cycles
+from jaxinfer.server.detokenizer import decode
 
 _MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF checkpoint dir.")
 _SERVED_NAME = flags.DEFINE_string("served_model_name", None, "API model id; default --model.")
@@ -55,6 +68,24 @@ _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
     "min_token_bucket", ji.EngineConfig.min_token_bucket, "Smallest padded T.", lower_bound=1
 )
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile every step shape before serving.")
+_SPECULATIVE = flags.DEFINE_enum(
+    "speculative", "none", ["none", "ngram", "model"], "Speculative decoding's drafter."
+)
+_DRAFT_MODEL = flags.DEFINE_string(
+    "draft_model", None, "--speculative=model: the draft's name or checkpoint dir."
+)
+_NUM_SPEC = flags.DEFINE_string(
+    "num_speculative_tokens", "3", "γ: an int in 0..max_gamma, or 'auto' (the controller)."
+)
+_MAX_GAMMA = flags.DEFINE_integer(
+    "max_gamma", None, "Largest γ; default: the int γ, or 4 with auto.", lower_bound=1
+)
+_ACCEPTANCE = flags.DEFINE_enum(
+    "spec_acceptance", "rejection", ["rejection", "coupled"], "Speculative acceptance rule."
+)
+_CYCLE_LOG = flags.DEFINE_string(
+    "cycle_log", None, "JSONL log of every speculative step per request; default off."
+)
 _LOG_LEVEL = flags.DEFINE_enum(
     "uvicorn_log_level", "warning", ["debug", "info", "warning", "error"], "uvicorn's log level."
 )
@@ -67,6 +98,55 @@ def _model_is_valid(value: str) -> bool:
 flags.register_validator(
     "model", _model_is_valid, "--model must be a shipped model name or an existing path"
 )
+
+
+def _num_spec_is_valid(value: str) -> bool:
+    return value == "auto" or (value.isdigit() and int(value) >= 0)
+
+
+flags.register_validator(
+    "num_speculative_tokens", _num_spec_is_valid,
+    "--num_speculative_tokens must be an int >= 0 or 'auto'",
+)  # fmt: skip
+flags.register_validator(
+    "draft_model", lambda v: v is None or _model_is_valid(v),
+    "--draft_model must be a shipped model name or an existing path",
+)  # fmt: skip
+flags.register_multi_flags_validator(
+    ["speculative", "draft_model", "cycle_log"],
+    lambda f: (f["speculative"] == "model") == (f["draft_model"] is not None)
+    and (f["cycle_log"] is None or f["speculative"] != "none"),
+    "--draft_model goes with --speculative=model (and only with it); --cycle_log needs "
+    "--speculative",
+)  # fmt: skip
+
+flags.register_multi_flags_validator(
+    ["num_speculative_tokens", "max_gamma"],
+    lambda f: f["max_gamma"] is None
+    or not _num_spec_is_valid(f["num_speculative_tokens"])
+    or f["num_speculative_tokens"] == "auto"
+    or int(f["num_speculative_tokens"]) <= f["max_gamma"],
+    "--num_speculative_tokens must be <= --max_gamma",
+)  # fmt: skip
+
+
+def speculative_config(
+    drafter: str,
+    num_speculative_tokens: str,
+    max_gamma: int | None = None,
+    acceptance: str = "rejection",
+    draft_model: str | None = None,
+) -> ji.SpeculativeConfig | None:
+    """The flags' SpeculativeConfig; None for drafter "none"."""
+    if drafter == "none":
+        return None
+    if drafter == "model":
+        drafter = ji.load_checkpoint(model_path(draft_model))
+    n = num_speculative_tokens
+    return ji.SpeculativeConfig(
+        drafter=drafter, num_speculative_tokens=n if n == "auto" else int(n),
+        acceptance=acceptance, max_gamma=max_gamma,
+    )  # fmt: skip
 
 
 def model_path(name: str) -> str:
@@ -83,6 +163,8 @@ def engine_config(
     backend: str = "auto",
     max_model_len: int | None = None,
     min_token_bucket: int = ji.EngineConfig.min_token_bucket,
+    speculative: ji.SpeculativeConfig | None = None,
+    cycle_log: str | None = None,
 ) -> ji.EngineConfig:
     """The served engine's config (bench_serve.py builds the in-process twin with it)."""
     S = block_size
@@ -98,6 +180,8 @@ def engine_config(
         min_seq_bucket=max_num_seqs,
         min_block_bucket=bucket(math.ceil(max_len / S)),
         min_token_bucket=min_token_bucket,
+        speculative=speculative,
+        cycle_log=cycle_log,
     )
 
 
@@ -111,6 +195,10 @@ def warmup(engine: ji.Engine, max_len: int | None = None) -> None:
         length = max(1, min(length, (max_len or engine.cfg.max_position_embeddings) - 2))
         engine.generate([[token] * length], ji.SamplingParams(temperature=0, max_tokens=2))
         t, token = 2 * t, token + 1
+    spec = engine.config.speculative
+    if spec is not None and spec.auto:  # the controller's step times at every batch bucket
+        sizes = [1 << k for k in range(bucket(engine.config.max_num_seqs).bit_length())]
+        cycles.warm_up(engine, batch_sizes=[b for b in sizes if b <= engine.config.max_num_seqs])
 
 
 def main(argv):
@@ -123,11 +211,16 @@ def main(argv):
             template = f.read()
     cfg, params = ji.load_checkpoint(path)
     tok = ji.load_tokenizer(path)
+    spec = speculative_config(
+        _SPECULATIVE.value, _NUM_SPEC.value, _MAX_GAMMA.value, _ACCEPTANCE.value,
+        _DRAFT_MODEL.value,
+    )  # fmt: skip
     ecfg = engine_config(
         cfg, _BLOCK_SIZE.value, _NUM_BLOCKS.value, _MAX_NUM_SEQS.value, _MAX_BATCHED.value,
         _PREFIX_CACHING.value, _BACKEND.value, _MAX_MODEL_LEN.value, _MIN_TOKEN_BUCKET.value,
+        spec, _CYCLE_LOG.value,
     )  # fmt: skip
-    engine = ji.Engine(cfg, params, ecfg)
+    engine = ji.Engine(cfg, params, ecfg, detokenize=lambda ids: decode(tok, ids))
     if _WARMUP.value:
         t0 = time.perf_counter()
         warmup(engine, _MAX_MODEL_LEN.value)

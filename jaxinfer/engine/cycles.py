@@ -156,7 +156,7 @@ def init_speculation(engine, detokenize) -> None:
         # The drafter runs on the target's layout policy (EngineConfig.layout).
         engine.draft_model = (
             dcfg,
-            loop_layout(dparams) if engine.config.layout == "auto" else dparams,
+            loop_layout(dparams, engine.platform) if engine.config.layout == "auto" else dparams,
         )
         # Same block ids as the target's cache (see speculation.py): one allocator for both.
         engine.dcache = init_cache(

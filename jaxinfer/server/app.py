@@ -60,6 +60,7 @@ class _Server:
         self.block_size = eng.config.block_size
         self.pool_blocks = eng.config.num_blocks - 1
         self.max_n = eng.config.max_num_seqs
+        self.speculative = eng.config.speculative is not None
         self.created = int(time.time())
         self.shutting_down = False
         self._token_text: dict[int, str] = {}
@@ -133,12 +134,18 @@ class _Server:
         return self.engine.call(run)
 
 
-async def _parse(request: Request, model: type[P.BaseModel]):
+async def _parse(request: Request, srv: _Server, model: type[P.BaseModel], unsupported=()):
+    """The request body as `model`, for the served model, with no `unsupported` field set."""
     body = await request.body()
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         raise P.validation_error(e.errors()) from None
+    srv.check_model(req.model)
+    for field in unsupported:
+        if getattr(req, field):
+            raise P.APIError(400, f"{field}: not supported by this server", field)
+    return req
 
 
 # ----------------------------------------------------------------------------- the app
@@ -205,10 +212,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await _parse(request, P.CompletionRequest)
-        srv.check_model(req.model)
-        if req.suffix:
-            raise P.APIError(400, "suffix: not supported by this server", "suffix")
+        req = await _parse(request, srv, P.CompletionRequest, unsupported=("suffix",))
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -220,10 +224,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = await _parse(request, P.ChatCompletionRequest)
-        srv.check_model(req.model)
-        if req.tools:
-            raise P.APIError(400, "tools: not supported by this server", "tools")
+        req = await _parse(request, srv, P.ChatCompletionRequest, unsupported=("tools",))
         rf = req.response_format
         if rf and rf.get("type", "text") != "text":
             raise P.APIError(400, "response_format: only type 'text'", "response_format")
@@ -255,6 +256,8 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     field = "messages" if chat else "prompt"
     sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n)
     stops = P.stop_strings(req)
+    if srv.speculative and sp.logprobs is not None:
+        raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
     for p in prompts:
         srv.check_lengths(p, sp.max_tokens, sp.n, field)
     echo = not chat and req.echo
@@ -267,11 +270,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
             None, "queue_full",
         )  # fmt: skip
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def sink(items):
-        loop.call_soon_threadsafe(queue.put_nowait, items)
-
+    queue: asyncio.Queue = asyncio.Queue()  # filled on this loop by the engine thread
     base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     rids = [f"{base}-{i}" for i in range(len(prompts))]
     prompt_lps = None
@@ -282,7 +281,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     except BaseException:
         engine.release(len(prompts))
         raise
-    futs = [engine.submit(p, sp, rid, sink) for p, rid in zip(prompts, rids)]
+    futs = [engine.submit(p, sp, rid, queue.put_nowait, loop) for p, rid in zip(prompts, rids)]
     results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
     bad = [r for r in results if isinstance(r, BaseException)]
     if bad:

@@ -3,9 +3,12 @@
 HTTP handlers never touch the `Engine`. They `submit` requests, `abort` them and `call` functions
 (a scoring pass for `echo` + `logprobs`); each becomes a command in a queue that the engine thread
 applies between steps, so an abort frees its blocks before the next step runs. After each step
-the thread hands every request's new `StreamOutput`s to that request's sink (a callable that the
-handler makes thread-safe, `loop.call_soon_threadsafe(queue.put_nowait, ...)`), samples the
-gauges, and times the request for the metrics.
+the thread hands every request's new `StreamOutput`s to that request's sink, samples the gauges,
+mirrors the speculative counters, and times the request for the metrics. A sink submitted with
+its event loop (the HTTP handlers' `queue.put_nowait`) runs on that loop: the deliveries of one
+step to one loop are one `call_soon_threadsafe`, so a step with B streaming requests wakes the
+loop once, not B times, and the loop runs them together while the engine computes the next step.
+A sink without a loop is called on the engine thread.
 
 A failed step fails only its own requests. With the hardened engine (`StreamOutput.error`,
 `finish_reason="error"`) the error arrives in the outputs; an engine whose `step()` raises
@@ -48,6 +51,7 @@ class _Track:
     """Timing of a live request, on the engine clock."""
 
     sink: Callable[[list], None]
+    loop: Any  # the asyncio loop the sink runs on; None: the engine thread
     arrival: float
     prompt_tokens: int
     scheduled: float | None = None
@@ -55,6 +59,11 @@ class _Track:
     last: float | None = None
     tokens: int = 0
     reason: str | None = None  # set by an abort that is a normal finish (a stop string)
+
+
+def _run_sinks(batch: list) -> None:
+    for sink, items in batch:
+        sink(items)
 
 
 class AsyncEngine:
@@ -84,6 +93,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
         self.error: BaseException | None = None  # set if the thread itself died
         self._q = self._h = 0  # prefix-cache queries / hits already counted
+        self._outbox: dict[Any, list] = {}  # loop -> [(sink, items)] of this step (engine thread)
+        self.speculative = engine.config.speculative
+        if self.speculative is not None:
+            self.metrics.enable_speculation(self.speculative.max_gamma)
 
     # ----------------------------------------------------------------- handler side
 
@@ -117,15 +130,16 @@ class AsyncEngine:
         sampling: SamplingParams,
         request_id: Hashable,
         sink: Callable[[list], None],
+        loop: Any = None,
     ) -> concurrent.futures.Future:
         """Queues a request (its waiting place reserved by `try_admit`).
 
         The future resolves to None once the engine accepted it, or to the engine's ValueError;
         the sink then receives lists of `StreamOutput` (or an `EngineFailure`) until the
-        request finishes.
+        request finishes: on `loop` (an asyncio loop) if given, else on the engine thread.
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        track = _Track(sink, self.clock(), len(prompt))
+        track = _Track(sink, loop, self.clock(), len(prompt))
         self._put(("add", prompt, sampling, request_id, track, fut))
         return fut
 
@@ -230,7 +244,8 @@ class AsyncEngine:
         track.reason = reason or "abort"
         self._finish(rid, self.clock())
         if notify is not None:  # a handler still listening (shutdown): tell it why
-            track.sink([EngineFailure(rid, notify)])
+            self._deliver(track, [EngineFailure(rid, notify)])
+            self._flush()
 
     def _step(self) -> None:
         t0 = self.clock()
@@ -240,6 +255,7 @@ class AsyncEngine:
             self._fail_step(e)
             return
         now = self.clock()
+        self.metrics.step_time.observe(now - t0)
         schedule = self.engine.last_schedule
         for s in schedule.seqs if schedule is not None else ():
             track = self._tracks.get(s.request_id)
@@ -262,12 +278,16 @@ class AsyncEngine:
                 track.last = now
                 track.tokens += n
                 self.metrics.generation_tokens.inc(n)
-            track.sink(group)
+            self._deliver(track, group)
             if any(o.request_finished for o in group):
                 errors = [o for o in group if getattr(o, "error", None)]
                 track.reason = "error" if errors else group[-1].finish_reason
                 self._finish(rid, now)
+        self._flush()
         self.metrics.preemptions.inc(len(schedule.preempted_seq_ids) if schedule else 0)
+        if self.speculative is not None and schedule is not None and schedule.seqs:
+            gamma = max(s.num_lookahead for s in schedule.seqs)
+            self.metrics.on_spec_step(self.engine.spec_counters, gamma)
 
     def _fail_step(self, e: Exception) -> None:
         """A step that raised: fail the requests it scheduled, restore the scheduler."""
@@ -292,7 +312,23 @@ class AsyncEngine:
             if track is not None:
                 track.reason = "error"
                 self._finish(rid, now)
-                track.sink([EngineFailure(rid, message)])
+                self._deliver(track, [EngineFailure(rid, message)])
+        self._flush()
+
+    def _deliver(self, track: _Track, items: list) -> None:
+        if track.loop is None:
+            track.sink(items)
+        else:
+            self._outbox.setdefault(track.loop, []).append((track.sink, items))
+
+    def _flush(self) -> None:
+        """Hands this step's deliveries to their loops, one callback per loop."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, batch in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_run_sinks, batch)
+            except RuntimeError:  # the loop closed (the server is gone): nobody listens
+                pass
 
     def _finish(self, rid: Hashable, now: float) -> None:
         # A server runs for days: the engine's own records of finished requests and past steps

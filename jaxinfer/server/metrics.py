@@ -9,11 +9,25 @@ engine (the HTTP layer adds its own, small, delay before a client sees them):
   jaxinfer:time_per_output_token_seconds  a request's (last token - first token) / (tokens - 1)
   jaxinfer:e2e_request_latency_seconds    finish - arrival
   jaxinfer:request_queue_time_seconds     first scheduled - arrival
+  jaxinfer:engine_step_seconds            one `Engine.step()` on the engine thread (device and
+                                          host work, GIL waits included)
 
 Gauges are sampled after every engine step: running / waiting requests, KV blocks used (and as a
 fraction), blocks still held by requests whose client went away (0 once their abort applied),
 prefix-cache hit rate. Counters: preemptions, prompt / generation tokens, finished requests by
 reason, prefix-cache queries and hits (tokens).
+
+With speculation (`EngineConfig.speculative`), the engine's acceptance counters
+(`jaxinfer.engine.cycles.SpecCounters`) are mirrored after every step, vLLM's names again:
+
+  jaxinfer:spec_decode_num_drafts                   drafting (request, step) pairs
+  jaxinfer:spec_decode_num_draft_tokens             draft tokens proposed
+  jaxinfer:spec_decode_num_accepted_tokens          draft tokens accepted
+  jaxinfer:spec_decode_num_accepted_tokens_per_pos  {position=j}: drafts whose token j was accepted
+  jaxinfer:spec_decode_num_reached_per_pos          {position=j}: drafts whose tokens 0..j-1 were
+                                                    accepted, so accepted / reached is α_j
+  jaxinfer:spec_decode_steps                        {gamma=g}: steps whose largest γ was g
+  jaxinfer:spec_decode_gamma                        γ of the last step (gauge)
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from __future__ import annotations
 import json
 import threading
 
+import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -79,6 +94,9 @@ class ServerMetrics:
             "Time waiting before scheduled.",
             _LATENCY_BUCKETS,
         )
+        self.step_time = hist(
+            "jaxinfer:engine_step_seconds", "Wall time of one engine step.", _TOKEN_BUCKETS
+        )
         self.running = gauge("jaxinfer:num_requests_running", "Requests holding KV blocks.")
         self.waiting = gauge("jaxinfer:num_requests_waiting", "Requests not yet producing tokens.")
         self.kv_used = gauge("jaxinfer:kv_cache_used_blocks", "KV blocks with refcount > 0.")
@@ -107,6 +125,7 @@ class ServerMetrics:
             registry=r,
         )
         self._failed_steps = counter("jaxinfer:failed_steps", "Engine steps that raised.")
+        self.max_gamma: int | None = None  # set by enable_speculation
         self._log_lock = threading.Lock()
         self._log = open(request_log, "a", buffering=1) if request_log else None  # noqa: SIM115
 
@@ -125,6 +144,62 @@ class ServerMetrics:
         if self._log is not None:
             with self._log_lock:
                 self._log.write(json.dumps(record) + "\n")
+
+    def enable_speculation(self, max_gamma: int) -> None:
+        """Registers the speculative metrics (positions 0..max_gamma-1, γ 0..max_gamma)."""
+        r, name, labels = self.registry, self.model_name, ["model_name"]
+
+        def counter(metric, doc):
+            return Counter(metric, doc, labels, registry=r).labels(name)
+
+        self.max_gamma = max_gamma
+        self.spec_drafts = counter(
+            "jaxinfer:spec_decode_num_drafts", "Drafting (request, step) pairs."
+        )
+        self.spec_draft_tokens = counter(
+            "jaxinfer:spec_decode_num_draft_tokens", "Draft tokens proposed."
+        )
+        self.spec_accepted = counter(
+            "jaxinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        per_pos = {
+            "accepted": ("jaxinfer:spec_decode_num_accepted_tokens_per_pos",
+                         "Drafts whose token at this position was accepted."),
+            "reached": ("jaxinfer:spec_decode_num_reached_per_pos",
+                        "Drafts whose tokens before this position were all accepted."),
+        }  # fmt: skip
+        self._spec_pos = {}
+        for key, (metric, doc) in per_pos.items():
+            c = Counter(metric, doc, labels + ["position"], registry=r)
+            self._spec_pos[key] = [c.labels(name, str(j)) for j in range(max_gamma)]
+        steps = Counter(
+            "jaxinfer:spec_decode_steps", "Steps by their largest γ.", labels + ["gamma"],
+            registry=r,
+        )  # fmt: skip
+        self._spec_steps = [steps.labels(name, str(g)) for g in range(max_gamma + 1)]
+        self.spec_gamma = Gauge(
+            "jaxinfer:spec_decode_gamma", "γ of the last step.", labels, registry=r
+        ).labels(name)
+        self._seen = {"cycles": 0, "proposed": 0, "accepted": 0}
+        self._seen_pos = {k: np.zeros(max_gamma, np.int64) for k in per_pos}
+
+    def on_spec_step(self, counters, gamma: int) -> None:
+        """After a speculative step: the engine's `SpecCounters` so far, the step's γ."""
+        for attr, metric in (
+            ("cycles", self.spec_drafts),
+            ("proposed", self.spec_draft_tokens),
+            ("accepted", self.spec_accepted),
+        ):
+            now = int(getattr(counters, attr))
+            metric.inc(now - self._seen[attr])
+            self._seen[attr] = now
+        for key, now in (("accepted", counters.accepted_at), ("reached", counters.reached)):
+            delta = now - self._seen_pos[key]
+            for j in np.flatnonzero(delta):
+                self._spec_pos[key][j].inc(int(delta[j]))
+            self._seen_pos[key] = now.copy()
+        self._spec_steps[gamma].inc()
+        self.spec_gamma.set(gamma)
 
     def on_failed_step(self) -> None:
         self._failed_steps.inc()

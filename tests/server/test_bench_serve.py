@@ -17,7 +17,7 @@ def _bench(server, workdir, *flags):
         f"--base_url={server.url}", f"--workdir={workdir}", "--quick", "--num_requests=8",
         "--max_len=64", "--workloads=sharegpt", *flags,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(os.path.join(workdir, "results.json")) as f:
         return json.load(f)

@@ -165,10 +165,10 @@ def test_engine_error_output_is_500_for_that_request_only(server, client, monkey
     monkeypatch.setattr(engine, "step", step)
     real_submit = server.engine.submit
 
-    def submit(prompt, sampling, request_id, sink):
+    def submit(prompt, sampling, request_id, sink, loop=None):
         if not marked:
             marked.append(str(request_id))
-        return real_submit(prompt, sampling, request_id, sink)
+        return real_submit(prompt, sampling, request_id, sink, loop)
 
     monkeypatch.setattr(server.engine, "submit", submit)
     with pytest.raises(openai.InternalServerError) as e:

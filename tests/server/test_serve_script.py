@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -22,26 +25,75 @@ def _spawn(*flags):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("flag", ["--model=no-such-model", "--port=70000", "--max_waiting=0"])
-def test_bad_flags_fail_at_parse_time(flag):
-    proc = _spawn(flag)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model=no-such-model"], ["--port=70000"], ["--max_waiting=0"],
+        ["--speculative=ngram", "--num_speculative_tokens=x"],
+        ["--speculative=ngram", "--num_speculative_tokens=5", "--max_gamma=4"],
+        ["--cycle_log=cycles.jsonl"],  # without --speculative
+        ["--speculative=model"],  # without --draft_model
+    ],
+)  # fmt: skip
+def test_bad_flags_fail_at_parse_time(flags):
+    proc = _spawn(*flags)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    assert flag.split("=")[0].lstrip("-") in out
+    assert "Flags parsing error" in out and flags[-1].split("=")[0].lstrip("-") in out
+
+
+def _wait_serving(proc) -> str:
+    lines = []
+    for line in proc.stdout:
+        if line.startswith("serving "):
+            return line.split(" at ")[1].strip()
+        lines.append(line)
+    raise AssertionError("the server did not start:\n" + "".join(lines[-20:]))
+
+
+def test_speculative_flags_metrics_and_logs(tmp_path):
+    cycles, requests = tmp_path / "cycles.jsonl", tmp_path / "requests.jsonl"
+    proc = _spawn(
+        "--model=target", "--port=0", "--num_blocks=65", "--max_num_seqs=2",
+        "--max_num_batched_tokens=32", "--nowarmup", "--speculative=ngram",
+        "--num_speculative_tokens=2", f"--cycle_log={cycles}", f"--request_log={requests}",
+    )  # fmt: skip
+    try:
+        url = _wait_serving(proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(
+            model="target", prompt="a b c a b c a b c a b", max_tokens=8, temperature=0
+        )
+        text = httpx.get(url + "/metrics").text
+        found = {
+            k: re.search(rf"^jaxinfer:spec_decode_num_{k}_total{{.*}} (\S+)$", text, re.M)
+            for k in ("drafts", "draft_tokens")
+        }
+        assert all(found.values()), text
+        drafts, tokens = (float(m[1]) for m in found.values())
+        assert drafts > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [json.loads(x) for x in cycles.read_text().splitlines()]
+    # A line per row and step; rows that drafted (γ = 2, as the flag says) are the drafts.
+    assert sum(x["gamma"] > 0 for x in lines) == drafts and sum(x["gamma"] for x in lines) == tokens
+    assert {x["gamma"] for x in lines} <= {0, 2}
+    (rec,) = [json.loads(x) for x in requests.read_text().splitlines()]
+    assert rec["completion_tokens"] == r.usage.completion_tokens
+    assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
 
 
 def test_sigterm_finishes_in_flight_and_exits_0():
     proc = _spawn(
         "--model=target", "--port=0", "--num_blocks=129", "--max_num_seqs=4",
-        "--max_num_batched_tokens=64", "--shutdown_timeout=20",
+        "--max_num_batched_tokens=64", "--shutdown_timeout=300",  # a guard: a loaded CPU is slow
     )  # fmt: skip
     try:
-        url = None
-        for line in proc.stdout:
-            if line.startswith("serving "):
-                url = line.split(" at ")[1].strip()
-                break
-        assert url, "the server did not start"
+        url = _wait_serving(proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = client.completions.create(
             model="target", prompt="def f(x):", max_tokens=300, temperature=0, stream=True,
@@ -52,7 +104,7 @@ def test_sigterm_finishes_in_flight_and_exits_0():
         rest = []
         t = threading.Thread(target=lambda: rest.extend(stream))
         t.start()
-        t.join(60)
+        t.join(300)
         chunks += rest
         assert chunks[-1].choices[0].finish_reason == "length"
         assert proc.wait(timeout=60) == 0
