@@ -1,9 +1,9 @@
 r"""Decode throughput and achieved weight bandwidth: `ji.generate` against transformers `generate`
 and llama.cpp on the same weights, in the same run, plus ms per decode step by weight format.
 
-    python experiments/bench_decode.py --model=smollm2-135m --workdir=runs/bench_decode
-    python experiments/bench_decode.py --workdir=/tmp/bench_decode       # random bench-5m, fast
-    python experiments/bench_decode.py --config=runs/bench_decode/config.json --workdir=runs/again
+    python -m experiments.bench_decode --model=smollm2-135m --workdir=runs/bench_decode
+    python -m experiments.bench_decode --workdir=/tmp/bench_decode       # random bench-5m, fast
+    python -m experiments.bench_decode --config=runs/bench_decode/config.json --workdir=runs/again
 
 --model is a name of `ji.models.names()` or a checkpoint path (HF dir or .gguf); without it a
 randomly initialised `bench-5m` preset is saved as an HF directory and every library loads that.

@@ -1,9 +1,9 @@
 r"""Load generator over HTTP, in the style of vLLM's `bench serve`, against jaxinfer.server.
 
-    python experiments/bench_serve.py --workdir=runs/bench_serve --quick         # ~2 min, 2 CPUs
-    python experiments/bench_serve.py --workloads=sharegpt --rate_fractions=0.5,1,2
-    python experiments/bench_serve.py --base_url=http://127.0.0.1:8000 --rates=4
-    python experiments/bench_serve.py --soak --workdir=runs/soak                   # 1,000 requests
+    python -m experiments.bench_serve --workdir=runs/bench_serve --quick         # ~2 min, 2 CPUs
+    python -m experiments.bench_serve --workloads=sharegpt --rate_fractions=0.5,1,2
+    python -m experiments.bench_serve --base_url=http://127.0.0.1:8000 --rates=4
+    python -m experiments.bench_serve --soak --workdir=runs/soak                   # 1,000 requests
 
 It starts `experiments/serve.py` as a subprocess on a free port (or attaches to a running server
 with --base_url) and always stops what it started. Workloads, request lengths and the engine
@@ -90,7 +90,7 @@ class ServerProcess:
     def __init__(self, model_path: str, bc: sb.BenchConfig, max_waiting: int):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         cmd = [
-            sys.executable, os.path.join(root, "experiments", "serve.py"),
+            sys.executable, "-m", "experiments.serve",
             f"--model={model_path}", "--port=0", "--served_model_name=bench",
             f"--block_size={bc.block_size}", f"--num_blocks={bc.kv_slots // bc.block_size + 1}",
             f"--max_num_seqs={bc.max_num_seqs}", f"--max_num_batched_tokens={bc.chunk_budget}",
@@ -99,7 +99,7 @@ class ServerProcess:
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root
         )
         self.url = None
         try:
@@ -473,7 +473,7 @@ def main(argv):
             results = sweep(
                 base_url, model, bc, slo, vocab, cfg_params if in_process else None, server
             )  # fmt: skip
-            command = "python experiments/bench_serve.py " + " ".join(sys.argv[1:])
+            command = "python -m experiments.bench_serve " + " ".join(sys.argv[1:])
             pngs = plot(results, workdir)
             md = markdown(bc, slo, results, command)
             with open(os.path.join(workdir, "bench_serve.md"), "w") as f:

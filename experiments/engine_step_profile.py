@@ -1,7 +1,7 @@
 r"""Profile of an engine step at one request in flight against `ji.generate`'s per-token time.
 
-    python experiments/engine_step_profile.py                       # SmolLM2-135M, ~3 min on 2 CPUs
-    python experiments/engine_step_profile.py --model=tiny --new_tokens=64
+    python -m experiments.engine_step_profile                       # SmolLM2-135M, ~3 min on 2 CPUs
+    python -m experiments.engine_step_profile --model=tiny --new_tokens=64
 
 For each engine variant (padding T to `min_token_bucket` rows or to the measured-cost bucket;
 params stacked or in `inference_layout`), one greedy request decodes `--new_tokens` tokens and

@@ -1,9 +1,9 @@
 r"""A quantization quality sweep on any model, with group sizes that divide its widths.
 
-    python experiments/quant_sweep.py --workdir=runs/quant_sweep --quick      # SmolLM2, ~5 min
-    python experiments/quant_sweep.py --workdir=runs/quant_sweep              # + GPTQ act-order,
+    python -m experiments.quant_sweep --workdir=runs/quant_sweep --quick      # SmolLM2, ~5 min
+    python -m experiments.quant_sweep --workdir=runs/quant_sweep              # + GPTQ act-order,
                                                                               #   AWQ, SmoothQuant
-    python experiments/quant_sweep.py --config=runs/quant_sweep/config.json --workdir=runs/again
+    python -m experiments.quant_sweep --config=runs/quant_sweep/config.json --workdir=runs/again
 
 experiments/quality_report.py is the full report on the tiny pair; its schemes are g128, which
 SmolLM2 (hidden 576 = 4.5 x 128) cannot take. This sweep runs on any `--model` (a name of

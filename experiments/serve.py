@@ -1,9 +1,9 @@
 r"""Serves a model over the OpenAI HTTP API (jaxinfer.server) until SIGTERM or Ctrl-C.
 
-    python experiments/serve.py --model=target --port=8000
-    python experiments/serve.py --model=/path/to/hf_dir --chat_template=template.jinja \
+    python -m experiments.serve --model=target --port=8000
+    python -m experiments.serve --model=/path/to/hf_dir --chat_template=template.jinja \
         --num_blocks=2048 --max_num_seqs=32 --max_waiting=128 --request_log=requests.jsonl
-    python experiments/serve.py --model=smollm2-135m --speculative=ngram \
+    python -m experiments.serve --model=smollm2-135m --speculative=ngram \
         --num_speculative_tokens=auto --max_gamma=4 --cycle_log=cycles.jsonl
 
 --model is a shipped model name (jaxinfer.models.names()) or an HF checkpoint directory.

@@ -1,7 +1,7 @@
 r"""Serving benchmark: continuous batching against static batching, in the same KV memory.
 
-    python experiments/serve_bench.py --workdir=runs/serve_bench            # ~5-10 min on 2 CPUs
-    python experiments/serve_bench.py --workdir=runs/serve_bench_quick --quick   # ~1 min
+    python -m experiments.serve_bench --workdir=runs/serve_bench            # ~5-10 min on 2 CPUs
+    python -m experiments.serve_bench --workdir=runs/serve_bench_quick --quick   # ~1 min
 
 Three synthetic workloads from a seeded generator (token ids are random; only lengths matter):
   sharegpt       ShareGPT-like lognormal prompt and output lengths, scaled to --max_len;
@@ -460,7 +460,7 @@ def main(argv):
     slo = derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
     results = {name: bench_workload(cfg, params, bc, name, slo) for name in bc.workloads}
-    command = "python experiments/serve_bench.py " + " ".join(sys.argv[1:])
+    command = "python -m experiments.serve_bench " + " ".join(sys.argv[1:])
     pngs = plot(results, workdir)
     with open(os.path.join(workdir, "serve_bench.md"), "w") as f:
         f.write(markdown(bc, slo, results, command))

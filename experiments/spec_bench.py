@@ -1,9 +1,9 @@
 r"""Speculative decoding benchmark: α, tokens per cycle, tokens/s and speedups, measured and
 predicted, against plain `ji.generate` and transformers (plain, assisted, prompt lookup).
 
-    python experiments/spec_bench.py --workdir=runs/spec_bench            # ~10 min on 2 CPU cores
-    python experiments/spec_bench.py --workdir=runs/spec_quick --quick    # ~1-2 min
-    python experiments/spec_bench.py --workdir=/tmp/s --drafters=ngram --gammas=2,4 --batch_sizes=8
+    python -m experiments.spec_bench --workdir=runs/spec_bench            # ~10 min on 2 CPU cores
+    python -m experiments.spec_bench --workdir=runs/spec_quick --quick    # ~1-2 min
+    python -m experiments.spec_bench --workdir=/tmp/s --drafters=ngram --gammas=2,4 --batch_sizes=8
 
 Models: the shipped target and draft (`ji.models`), or randomly initialised models of the same
 shapes with a printed warning when they are absent. Prompts: windows of --prompt_len tokens from
