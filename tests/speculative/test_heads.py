@@ -40,7 +40,7 @@ def _head(kind: str) -> heads.Head:
     key = jax.random.key(5)
     if kind == "medusa":
         hc = heads.head_config_for(CFG, "medusa", num_medusa_heads=4)
-        return heads.Head(hc, heads.init_medusa(hc, key, std=0.3))
+        return heads.Head(hc, heads.init_medusa(hc, key, std=1.0))  # q far from p
     extra = {"draft_vocab_size": DRAFT_VOCAB} if kind == "eagle-vocab" else {}
     hc = heads.head_config_for(CFG, "eagle", intermediate_size=48, **extra)
     hp = heads.init_eagle(hc, key, std=0.2)
@@ -149,7 +149,8 @@ def test_eagle_paged_catch_up_matches_dense(kind):
         "reference",
     )
     batch = catch_up_batch(hist, jnp.asarray([19]), jnp.asarray([17]), tables, bs, width=4)
-    prevs = heads.eagle.previous_features(feats, jnp.zeros(8, jnp.int32), batch.positions)
+    zeros = jnp.zeros(batch.tokens.shape[0], jnp.int32)
+    prevs = heads.eagle.previous_features(feats, zeros, batch.positions)
     out, _ = heads.eagle_paged(rp, head.cfg, batch, cache, prevs, "reference")
     got = heads.feature_logits(rp, head.cfg, out[batch.logits_indices])[0]
     live = np.isfinite(np.asarray(want[0, 19]))
