@@ -13,8 +13,8 @@ plus per-channel), scores every row against the float32 model in one pass over t
 config.json, results.json and quant_sweep.md into --workdir.
 
 --quick rows: RTN w4 at each group size and per channel, GPTQ w4 at the first group size, RTN
-w8 (W8A16), int8 KV. Without --quick: also GPTQ act-order and AWQ at the first group size,
-SmoothQuant W8A8 and fp8 KV.
+w8 (W8A16), int8 KV. Without --quick: GPTQ, GPTQ act-order and AWQ at every group size and per
+channel, SmoothQuant W8A8 and fp8 KV.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ _CALIB = flags.DEFINE_integer(
     "calib_sequences", None, "Calibration sequences of 256; default 8 quick, 32.", lower_bound=1
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Calibration draw.", lower_bound=0)
+_ROWS = flags.DEFINE_list(
+    "rows", [], "Only the rows with these names (see `rows`); default: every row of the set."
+)
 flag_checks.int_list(_GROUPS, min_value=8)
 
 
@@ -54,12 +57,15 @@ def rows(quick: bool) -> list[tuple[str, quant.QuantConfig | None, str | None]]:
     """(name, QuantConfig or None for float weights, KV format or None) in table order."""
     q = quant.QuantConfig
     gs = [int(g) for g in _GROUPS.value]
-    out = [(f"RTN w4g{g}", q("rtn", 4, g), None) for g in gs]
-    out += [("RTN w4 per-channel", q("rtn", 4, None), None)]
-    out += [(f"GPTQ w4g{gs[0]}", q("gptq", 4, gs[0]), None)]
-    if not quick:
-        out += [(f"GPTQ act-order w4g{gs[0]}", q("gptq", 4, gs[0], act_order=True), None)]
-        out += [(f"AWQ w4g{gs[0]}", q("awq", 4, gs[0]), None)]
+    settings = [(f"g{g}", g) for g in gs] + [("per-channel", None)]
+    out = [(f"RTN w4 {n}", q("rtn", 4, g), None) for n, g in settings]
+    if quick:
+        out += [(f"GPTQ w4 {settings[0][0]}", q("gptq", 4, gs[0]), None)]
+    else:  # every calibrated method at every group size
+        out += [(f"GPTQ w4 {n}", q("gptq", 4, g), None) for n, g in settings]
+        out += [(f"GPTQ act-order w4 {n}", q("gptq", 4, g, act_order=True), None)
+                for n, g in settings]  # fmt: skip
+        out += [(f"AWQ w4 {n}", q("awq", 4, g), None) for n, g in settings]
     out += [("RTN w8 (W8A16)", q("rtn", 8, None), None)]
     if not quick:
         out += [("SmoothQuant W8A8", q("smoothquant", 8, None), None)]
@@ -102,8 +108,15 @@ def main(argv):
     windows = common.test_windows(tok, cfg, budget)  # [N, 257]
     n_calib = _CALIB.value or (8 if quick else 32)
     calib = common.calib_batch(tok, cfg, n_calib, 256, _SEED.value)  # [n_calib, 256]
+    todo = rows(quick)
+    unknown = set(_ROWS.value) - {r[0] for r in todo}
+    if unknown:
+        raise ValueError(
+            f"--rows has {sorted(unknown)}, not rows of this set: {[r[0] for r in todo]}"
+        )
+    todo = [r for r in todo if not _ROWS.value or r[0] in _ROWS.value]
     built, candidates = [], {}
-    for name, qcfg, kv in rows(quick):
+    for name, qcfg, kv in todo:
         tb = time.perf_counter()
         qparams = (
             params if qcfg is None else quant.quantize_with_report(cfg, params, qcfg, calib)[0]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer.cache.paged import KV_FORMATS
-from jaxinfer.checks import check_int
+from jaxinfer.checks import as_int, check_int
 from jaxinfer.engine.scheduler import SchedulerConfig
 from jaxinfer.ops.attention import BACKENDS
 from jaxinfer.speculative.config import SpeculativeConfig
@@ -37,6 +38,10 @@ class EngineConfig:
       cycle_log: path of a JSONL file with one record per request per step (speculation on):
         γ, proposed and committed ids, accepted count, draft / verify ms, the controller's
         choice (see `jaxinfer/engine/cycles.py`); None: no log.
+      mesh: tensor parallelism: a `jax.sharding.Mesh` (its devices, in order, form the TP group;
+        it may span processes under `jax.distributed`) or a degree n (the first n devices);
+        params and KV cache are sharded at construction (`jaxinfer/distributed/engine_mesh.py`).
+        None: one device, or the mesh of params placed by `ji.shard_params`.
     """
 
     block_size: int = 16
@@ -54,6 +59,7 @@ class EngineConfig:
     min_seq_bucket: int = 1
     speculative: SpeculativeConfig | None = None
     cycle_log: str | None = None
+    mesh: Mesh | int | None = None
 
     def __post_init__(self):
         # One int policy (jaxinfer.checks): numpy / jax ints are normalized to Python ints,
@@ -103,6 +109,14 @@ class EngineConfig:
             )
         if self.cycle_log is not None and not isinstance(self.cycle_log, str):
             raise ValueError(f"EngineConfig.cycle_log={self.cycle_log!r}: expected a path or None")
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            degree = as_int(self.mesh)
+            if degree is None or degree < 1:
+                raise ValueError(
+                    f"EngineConfig.mesh={self.mesh!r}: expected None, a jax.sharding.Mesh or a "
+                    "tensor-parallel degree (an int >= 1)"
+                )
+            object.__setattr__(self, "mesh", degree)
         self.scheduler_config()  # validates long_prefill_threshold against chunked prefill
 
     def scheduler_config(self) -> SchedulerConfig:

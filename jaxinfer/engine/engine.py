@@ -45,8 +45,8 @@ import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
-from jaxinfer.cache.paged import init_cache
 from jaxinfer.config import ModelConfig
+from jaxinfer.distributed.engine_mesh import place_engine
 from jaxinfer.engine import recovery, speculation
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.cycles import account, init_speculation
@@ -125,7 +125,7 @@ class Engine:
         self.cfg, self.params, self.config = cfg, params, config
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
-        self.cache = init_cache(cfg, nb, S, dtype=config.kv_dtype, kv_format=config.kv_format)
+        self.mesh = place_engine(self)  # the cache; with EngineConfig.mesh, all on the TP mesh
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)

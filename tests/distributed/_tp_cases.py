@@ -259,3 +259,28 @@ def test_smollm2_shaped_heads_degree_3():
     for degree in (2, 4, 6, 8):
         with pytest.raises(ValueError, match=rf"degree {degree} does not divide num_heads=9"):
             ji.shard_params(cfg, params, degree)
+
+
+# Mistral: the sliding window (8 < the 13-token prompt) under every kind of split.
+MISTRAL = preset("tiny-mistral").replace(num_heads=8, num_kv_heads=2, head_dim=16, sliding_window=8)
+
+
+@pytest.mark.parametrize("degree", [2, 8])
+def test_mistral_sliding_window_logits(degree):
+    params = random_params(MISTRAL, seed=9)
+    want = _run(MISTRAL, params, _nan_cache(MISTRAL), _steps())[0]
+    sharded = ji.shard_params(MISTRAL, params, degree)
+    cache = ji.distributed.shard_cache(MISTRAL, _nan_cache(MISTRAL), degree)
+    for _ in range(REPEATS):
+        np.testing.assert_allclose(
+            _run(MISTRAL, sharded, cache, _steps())[0], want, atol=1e-5, rtol=0
+        )
+
+
+def test_mistral_greedy_degree_4():
+    params = random_params(MISTRAL, seed=9)
+    want = [o.token_ids for o in ji.generate(MISTRAL, params, PROMPTS, GREEDY)]
+    for i in range(REPEATS):
+        assert [
+            o.token_ids for o in ji.generate(MISTRAL, params, PROMPTS, GREEDY, mesh=4)
+        ] == want, i
