@@ -42,7 +42,8 @@ def forward(
     cache: PagedKVCache,
     *,
     backend: str = "auto",
-) -> tuple[jax.Array, PagedKVCache]:
+    return_hidden: bool = False,
+) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
     """Runs the ragged paged batch through the model, writing its K/V into the cache.
 
     Args:
@@ -52,9 +53,12 @@ def forward(
       batch: the step's metadata; `batch.tokens [T]`.
       cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.
       backend: attention backend, see `jaxinfer.ops.BACKENDS`.
+      return_hidden: also return the last layer's output (before the final norm) of every row,
+        the features a learned drafter (EAGLE, Medusa) reads, without a second pass.
 
     Returns:
-      (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache).
+      (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache), and with
+      return_hidden the hidden states `[T, E]` as a third element.
     """
     # "auto" resolved once here, for the cache's platform, not by every op of every layer.
     backend = resolve_backend(backend, cache.platform)
@@ -78,7 +82,8 @@ def forward(
     else:  # stacked form: one scan (weights sliced per layer; see `inference_layout`)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
-    return logits_from_hidden(params, cfg, x[batch.logits_indices], backend), cache
+    logits = logits_from_hidden(params, cfg, x[batch.logits_indices], backend)
+    return (logits, cache, x) if return_hidden else (logits, cache)
 
 
 def decoder_layer_dense_taps(
@@ -115,8 +120,13 @@ def decoder_layer_dense(
 
 
 def forward_dense(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, *, backend: str = "auto"
-) -> jax.Array:
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    backend: str = "auto",
+    return_hidden: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scores whole sequences without a cache (training, scoring, calibration).
 
     Args:
@@ -124,9 +134,10 @@ def forward_dense(
       cfg: the model config (static).
       tokens: `[B, S]` int32, every sequence starting at position 0.
       backend: kernel backend for quantized linears, see `jaxinfer.ops.BACKENDS`.
+      return_hidden: also return the last layer's output `[B, S, E]` (before the final norm).
 
     Returns:
-      logits `[B, S, V]` float32.
+      logits `[B, S, V]` float32; with return_hidden, (logits, hidden).
     """
     backend = resolve_backend(backend)  # "auto" read once here, not by every op of every layer
     x = params["embed"][tokens]  # [B, S, E]
@@ -135,4 +146,5 @@ def forward_dense(
         return decoder_layer_dense(x, lp, cfg, backend), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
-    return logits_from_hidden(params, cfg, x, backend)
+    logits = logits_from_hidden(params, cfg, x, backend)
+    return (logits, x) if return_hidden else logits

@@ -40,6 +40,7 @@ from jaxinfer.speculative.speedup import (
 from jaxinfer.speculative.drafters import ngram_propose
 from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput
 from jaxinfer.speculative.config import SpeculativeConfig
+from jaxinfer.speculative import heads  # learned drafters: Medusa, EAGLE-style (heads/)
 
 # ---------------------------------------------------------------------------------------------
 # Cycle logs (cycle_log.py: the host-driven loop, JSONL records) and γ tuning (autotune.py:
@@ -86,6 +87,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeOutput",
     "generate",
+    "heads",
     "ngram_propose",
     # cycle logs
     "CycleRecord",

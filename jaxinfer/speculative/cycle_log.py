@@ -76,7 +76,7 @@ def generate_with_log(
     )
     plan, tp, dp, inputs = prep.plan, prep.tparams, prep.dparams, prep.inputs
     tp = loop_layout(tp, plan.platform)  # once, as the fused loop does: the same layout is timed
-    dp = None if dp is None else loop_layout(dp, plan.platform)
+    dp = loop_layout(dp, plan.platform) if plan.dcfg is not None else dp  # a head: as given
     state = prefill_run(prep)
     warm, t, q = draft_phase(tp, dp, state, inputs, plan=plan)
     jax.block_until_ready(verify_phase(tp, t, q, warm, inputs, plan=plan))

@@ -42,19 +42,24 @@ def catch_up_batch(
     dlen: jax.Array,  # [B] int32 positions already in the draft cache; cur - dlen in {0, 1}
     tables: jax.Array,  # [B, M] int32
     block_size: int,
+    width: int = 2,
 ) -> BatchMetadata:
-    """The draft's first, ragged step: feed positions dlen..cur (q_len 1 or 2), logits of cur."""
+    """The draft's first, ragged step: feed positions dlen..cur, logits of cur.
+
+    q_len = cur − dlen + 1 is at most `width` (static): 2 for the draft model (`cur − dlen` in
+    {0, 1}), γ + 1 for the EAGLE head (it re-reads every position committed since its last cycle).
+    """
     b = cur.shape[0]
-    t = 2 * b  # static row budget: at most 2 rows per sequence
-    q_len = cur - dlen + 1  # [B] in {1, 2}
+    t = width * b  # static row budget: at most `width` rows per sequence
+    q_len = cur - dlen + 1  # [B] in 1..width
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_len)]).astype(jnp.int32)
-    offs = jnp.arange(2, dtype=jnp.int32)  # [2]
-    pos = dlen[:, None] + offs[None, :]  # [B, 2]
-    valid = offs[None, :] < q_len[:, None]  # [B, 2]
+    offs = jnp.arange(width, dtype=jnp.int32)  # [W]
+    pos = dlen[:, None] + offs[None, :]  # [B, W]
+    valid = offs[None, :] < q_len[:, None]  # [B, W]
     pos = jnp.where(valid, pos, cur[:, None])  # keep gathers in range on unused entries
-    rows = jnp.where(valid, query_start[:-1, None] + offs[None, :], t)  # [B, 2]; t = dropped
-    tok = hist[jnp.arange(b)[:, None], pos]  # [B, 2]
-    slot = slots_of(tables, pos, block_size)  # [B, 2]
+    rows = jnp.where(valid, query_start[:-1, None] + offs[None, :], t)  # [B, W]; t = dropped
+    tok = hist[jnp.arange(b)[:, None], pos]  # [B, W]
+    slot = slots_of(tables, pos, block_size)  # [B, W]
 
     def scatter(values, fill):
         return (
@@ -72,6 +77,13 @@ def catch_up_batch(
         slot_mapping=scatter(slot, NULL_BLOCK * block_size),  # [T]; padding -> null block
         logits_indices=query_start[1:] - 1,  # [B] the row of position cur
     )
+
+
+def row_seq(query_start: jax.Array, num_rows: int) -> jax.Array:
+    """The sequence of each of `num_rows` rows of a ragged batch (`query_start [B+1]`) -> `[T]`;
+    padding rows past `query_start[-1]` get B (out of range: drop them in scatters)."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return (jnp.searchsorted(query_start, rows, side="right") - 1).astype(jnp.int32)
 
 
 def draft_with_model(

@@ -61,6 +61,14 @@ from jaxinfer.sampling import (
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
 from jaxinfer.speculative.drafters import draft_with_model, ngram_propose
+from jaxinfer.speculative.heads.config import HeadConfig
+from jaxinfer.speculative.heads.drafter import (
+    HeadState,
+    head_draft,
+    head_observe,
+    head_prefill,
+    unpack_draft,
+)
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 ACCEPTANCE_MODES = ("rejection", "coupled")
@@ -86,13 +94,14 @@ class _SpecPlan:
     settings (hashable: one compilation per plan and shape bucket)."""
 
     cfg: ModelConfig
-    dcfg: ModelConfig | None  # None: the n-gram drafter
+    dcfg: ModelConfig | None  # None: the n-gram drafter or a head
     gamma: int
     acceptance: str
     block_size: int
     backend: str  # concrete (resolved by `prepare_run`)
     platform: str  # "cpu", "gpu", ... resolved by `prepare_run`: loop layout and caches
     ngram_max: int
+    head: HeadConfig | None = None  # a learned head drafter (heads/): Medusa or EAGLE
 
 
 @jax.tree_util.register_dataclass
@@ -112,7 +121,7 @@ class SpecState:
     """The loop carry: both caches and each sequence's progress."""
 
     tcache: PagedKVCache  # target cache: holds positions 0..cur-1 of each sequence
-    dcache: PagedKVCache | None  # draft cache (None for n-gram): holds 0..dlen-1
+    dcache: PagedKVCache | HeadState | None  # draft cache (None: n-gram): holds 0..dlen-1
     hist: jax.Array  # [B, C] int32 committed tokens, prompt included
     cur: jax.Array  # [B] int32 position of the last committed token
     dlen: jax.Array  # [B] int32 positions in the draft cache; cur - dlen in {0, 1}
@@ -140,8 +149,9 @@ class CycleStats:
 
 
 def _prefill(
-    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend, platform
-) -> SpecState:
+    tparams, dparams, meta, hist, prompt_lens, inputs, *, cfg, dcfg, block_size, backend, platform,
+    head=None,
+) -> SpecState:  # fmt: skip
     """Writes every prompt into both caches and samples each first token (as `ji.generate`).
 
     Independent of γ and the acceptance mode (static: configs, block size, backend, platform), so
@@ -149,9 +159,15 @@ def _prefill(
     """
     b, m = inputs.tables.shape
     tcache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
-    logits, tcache = forward(tparams, cfg, meta, tcache, backend=backend)  # [B, V]
+    logits, tcache, hidden = forward(
+        tparams, cfg, meta, tcache, backend=backend, return_hidden=True
+    )  # [B, V], cache, [T, E]
     first = sample(logits[:b], inputs.sb, prompt_lens)  # the token at position prompt_len
     dcache = None
+    if head is not None:  # the head reads the prompt's features from this same forward
+        dcache = head_prefill(
+            dparams, head, meta, hidden, b, hist.shape[1], 1 + b * m, block_size, backend, platform
+        )
     if dcfg is not None:
         dcache = init_cache(dcfg, 1 + b * m, block_size, platform=platform)
         _, dcache = forward(dparams, dcfg, meta, dcache, backend=backend)
@@ -174,6 +190,13 @@ def _prefill(
 def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     """Draft phase: `(state with the draft cache advanced, tokens [B, γ], q [B, γ, V])`."""
     del tparams  # same signature as _verify, so both drivers call the phases alike
+    if plan.head is not None:
+        pick = make_pick(inputs.sb, state.cur, plan.acceptance)
+        dcache, tokens, q = head_draft(
+            dparams, plan.head, state.dcache, state.hist, state.cur, state.dlen, inputs.tables,
+            pick, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
+        )  # fmt: skip
+        return dataclasses.replace(state, dcache=dcache), tokens, q
     if plan.dcfg is None:
         tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)
         q = jax.nn.one_hot(tokens, plan.cfg.vocab_size, dtype=jnp.float32)  # [B, γ, V]
@@ -217,8 +240,13 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     last = state.hist[rows, state.cur]  # [B]
     tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, γ+1]
     batch = query_batch(tokens, state.cur, inputs.tables, plan.block_size)  # cur..cur+γ
-    logits, tcache = forward(tparams, plan.cfg, batch, state.tcache, backend=plan.backend)
+    logits, tcache, hidden = forward(
+        tparams, plan.cfg, batch, state.tcache, backend=plan.backend, return_hidden=True
+    )
     logits = logits.reshape(b, g1, -1)  # [B, γ+1, V] predictions for positions cur+1..cur+γ+1
+    dcache = state.dcache
+    if plan.head is not None:  # the verified positions' features, from the same forward
+        dcache = head_observe(dcache, hidden.reshape(b, g1, -1), state.cur)
     out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
 
     # Cut the commit at the first stop token and at max_tokens; finished rows commit nothing.
@@ -234,12 +262,14 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     n_out = state.n_out + n
     hit = live & has_stop & (first_stop < n)
     # The draft saw positions up to cur+γ-1: all of them valid after a full accept (then the
-    # last draft and the bonus are new to it), up to the committed prefix otherwise.
-    dlen = state.cur + jnp.minimum(n, gamma)
+    # last draft and the bonus are new to it), up to the committed prefix otherwise. A head
+    # re-reads every committed position with the target's real features: exact up to cur.
+    dlen = state.cur + (1 if plan.head is not None else jnp.minimum(n, gamma))
     accepted = num_emitted - 1
     new = dataclasses.replace(
         state,
         tcache=tcache,
+        dcache=dcache,
         hist=hist,
         cur=state.cur + n,
         dlen=jnp.where(live, dlen, state.dlen),
@@ -255,7 +285,8 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
 
 def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
     tparams = loop_layout(tparams, plan.platform)  # sliced once, outside the cycle loop
-    dparams = None if dparams is None else loop_layout(dparams, plan.platform)
+    if plan.dcfg is not None:  # a draft model's too; a head's params as given
+        dparams = loop_layout(dparams, plan.platform)
     # Each live cycle commits >= 1 token per live sequence, so max_tokens bounds the cycles.
     limit = jnp.max(inputs.max_tokens)
 
@@ -273,7 +304,7 @@ def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _
 
 
 _prefill_jit = jax.jit(
-    _prefill, static_argnames=("cfg", "dcfg", "block_size", "backend", "platform")
+    _prefill, static_argnames=("cfg", "dcfg", "block_size", "backend", "platform", "head")
 )
 # The two halves of a cycle, jitted alone for the host-driven, timed driver (cycle_log.py).
 draft_phase = jax.jit(_draft, static_argnames=("plan",))
@@ -306,25 +337,6 @@ def _check_gamma(gamma) -> int:
     return int(gamma)
 
 
-def _unpack_draft(draft, cfg: ModelConfig):
-    """`draft` -> (dcfg or None, dparams or None), checking it against the target."""
-    if isinstance(draft, str):
-        if draft != "ngram":
-            raise ValueError(f"draft must be (ModelConfig, params) or 'ngram', got {draft!r}")
-        return None, None
-    if not (isinstance(draft, tuple | list) and len(draft) == 2):
-        raise ValueError(f"draft must be (ModelConfig, params) or 'ngram', got {type(draft)}")
-    dcfg, dparams = draft
-    if not isinstance(dcfg, ModelConfig):
-        raise ValueError(f"draft[0] must be a ModelConfig, got {type(dcfg).__name__}")
-    if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"draft vocab_size {dcfg.vocab_size} differs from target vocab_size "
-            f"{cfg.vocab_size}: speculative decoding needs one shared vocabulary"
-        )
-    return dcfg, dparams
-
-
 def prepare_run(
     target, draft, prompts, sampling, gamma, acceptance, block_size, backend, ngram_max
 ) -> PreparedRun:
@@ -344,9 +356,9 @@ def prepare_run(
         raise ValueError(f"acceptance={acceptance!r}; expected one of {ACCEPTANCE_MODES}")
     if isinstance(ngram_max, bool) or not isinstance(ngram_max, int) or ngram_max < 1:
         raise ValueError(f"ngram_max must be an int >= 1, got {ngram_max!r}")
-    dcfg, dparams = _unpack_draft(draft, cfg)
+    dcfg, dparams, head = unpack_draft(draft, cfg, tparams, gamma)
     sampling = validate_requests(cfg, prompts, sampling)
-    limit = min(cfg.max_position_embeddings, (dcfg or cfg).max_position_embeddings)
+    limit = min(cfg.max_position_embeddings, (dcfg or head or cfg).max_position_embeddings)
     for i, (p, sp) in enumerate(zip(prompts, sampling)):
         need = len(p) + sp.max_tokens + gamma + 1
         if need > limit:
@@ -376,7 +388,7 @@ def prepare_run(
     )
     platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
     backend = resolve_backend(backend, platform)
-    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max)
+    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max, head)
     return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 
@@ -408,7 +420,7 @@ def prefill_run(prep: PreparedRun) -> SpecState:
     state = _prefill_jit(
         prep.tparams, prep.dparams, prep.meta, prep.hist, prep.prompt_lens, prep.inputs,
         cfg=plan.cfg, dcfg=plan.dcfg, block_size=plan.block_size, backend=plan.backend,
-        platform=plan.platform,
+        platform=plan.platform, head=plan.head,
     )  # fmt: skip
     b = prep.hist.shape[0]
     return dataclasses.replace(state, accept_hist=jnp.zeros((b, plan.gamma + 1), jnp.int32))
@@ -430,8 +442,9 @@ def generate(
 
     Args:
       target: (cfg, params) of the model whose distribution the output follows.
-      draft: (cfg, params) of a draft model with the same vocabulary, or "ngram" for
-        prompt-lookup drafting (no model).
+      draft: (cfg, params) of a draft model with the same vocabulary, "ngram" for
+        prompt-lookup drafting (no model), or a `heads.Head` (Medusa or EAGLE-style) trained
+        for this target.
       prompts: token-id lists of any lengths.
       sampling: one SamplingParams for all prompts, or one per prompt (as `ji.generate`).
       gamma: tokens drafted per cycle (`ji.speculative.generate`, in `autotune.py`, also takes

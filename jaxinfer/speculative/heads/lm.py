@@ -1,0 +1,58 @@
+"""The frozen target pieces a head drafts through: its embedding, final norm and LM head, the
+latter optionally cut to a draft vocabulary of N frequent tokens and mapped back to the full V.
+
+`pair(head, cfg, tparams)` builds the head's runtime params once, outside any loop: the head's
+own params under "head", the target's "embed" and "final_norm", and "lm_w", the LM head's
+columns of the draft vocabulary (`[E, N]`, a contiguous copy, so a draft step reads N/V of the
+head's bytes) or the whole `[E, V]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.layers import rms_norm
+from jaxinfer.model.params import lm_head
+from jaxinfer.ops.linear import linear
+from jaxinfer.speculative.heads.config import Head, HeadConfig, check_pairing
+
+NEG_INF = -jnp.inf
+
+
+def check_head_params(hcfg: HeadConfig, params: dict) -> None:
+    """Raises ValueError when the head's draft vocabulary ids disagree with its config."""
+    n = hcfg.draft_vocab_size
+    ids = params.get("vocab_ids")
+    if n is None and ids is not None:
+        raise ValueError("head params hold vocab_ids but HeadConfig.draft_vocab_size is None")
+    if n is not None and (ids is None or tuple(ids.shape) != (n,)):
+        got = None if ids is None else tuple(ids.shape)
+        raise ValueError(f"head params vocab_ids has shape {got}, expected ({n},)")
+
+
+def pair(head: Head, cfg: ModelConfig, tparams: dict) -> dict:
+    """Checks the head against target `cfg` (ValueError naming the field) -> runtime params."""
+    check_pairing(head.cfg, cfg)
+    check_head_params(head.cfg, head.params)
+    w = lm_head(tparams)  # [E, V]
+    if head.cfg.draft_vocab_size is not None:
+        w = jnp.take(w, head.params["vocab_ids"], axis=1)  # [E, N]
+    return {
+        "head": head.params,
+        "embed": tparams["embed"],  # [V, E]
+        "final_norm": tparams["final_norm"],  # [E]
+        "lm_w": w,  # [E, N] or [E, V]
+    }
+
+
+def feature_logits(rp: dict, hcfg: HeadConfig, feat: jax.Array) -> jax.Array:
+    """A predicted target feature `[..., E]` -> float32 logits `[..., V]` over the full vocabulary
+    (-inf outside the draft vocabulary)."""
+    x = rms_norm(feat, rp["final_norm"], hcfg.rms_norm_eps)
+    sub = linear(x, rp["lm_w"]).astype(jnp.float32)  # [..., N]
+    if hcfg.draft_vocab_size is None:
+        return sub
+    full = jnp.full(sub.shape[:-1] + (hcfg.target_vocab_size,), NEG_INF, jnp.float32)
+    return full.at[..., rp["head"]["vocab_ids"]].set(sub)

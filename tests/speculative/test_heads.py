@@ -1,0 +1,199 @@
+"""Learned drafter heads (Medusa, EAGLE-style, EAGLE with a draft vocabulary) in the speculative
+loop: greedy and coupled token identity with plain `ji.generate`, the chi-square test of
+rejection sampling against the target's distribution (with a negative control against the head's
+own q), the EAGLE paged step against its dense training form, save / load, and refusal of a head
+trained for another target.
+
+Heads are random (exactness holds for any drafter); the target and prompts are test_loop's, so
+the plain-generation references are shared.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.sampling import SamplingBatch, process_logits
+from jaxinfer.speculative import heads
+from jaxinfer.speculative.drafters import catch_up_batch
+from tests.speculative.test_loop import (
+    CFG,
+    PROMPTS,
+    SAMPLED,
+    _chi2_pvalue,
+    _declared,
+    _greedy_requests,
+    _target,
+)
+
+KINDS = ("medusa", "eagle", "eagle-vocab")
+DRAFT_VOCAB = 48  # of the tiny model's vocabulary
+
+
+@functools.cache
+def _head(kind: str) -> heads.Head:
+    key = jax.random.key(5)
+    if kind == "medusa":
+        hc = heads.head_config_for(CFG, "medusa", num_medusa_heads=4)
+        return heads.Head(hc, heads.init_medusa(hc, key, std=1.0))  # q far from p
+    extra = {"draft_vocab_size": DRAFT_VOCAB} if kind == "eagle-vocab" else {}
+    hc = heads.head_config_for(CFG, "eagle", intermediate_size=48, **extra)
+    hp = heads.init_eagle(hc, key, std=0.2)
+    if extra:
+        hp["vocab_ids"] = jnp.asarray(
+            np.random.RandomState(0).permutation(CFG.vocab_size)[:DRAFT_VOCAB], jnp.int32
+        )
+    return heads.Head(hc, hp)
+
+
+@functools.cache
+def _spec(kind, acceptance, temperature):
+    sps = _greedy_requests()[0] if temperature == 0 else SAMPLED
+    return ji.speculative.generate(
+        _target(), _head(kind), PROMPTS, sps, gamma=3, acceptance=acceptance
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain_generate(kind):
+    _, ref, _ = _greedy_requests()
+    outs = _spec(kind, "rejection", 0)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.finish_reason for o in outs] == [r.finish_reason for r in ref]
+    for o in outs:
+        assert o.num_proposed == 3 * o.num_cycles
+        assert sum(o.accepted_histogram) == o.num_cycles
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_coupled_sampling_equals_plain_generate(kind):
+    ref = ji.generate(CFG, _target()[1], PROMPTS, SAMPLED)
+    outs = _spec(kind, "coupled", 0.8)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def _head_q(kind, seq, sp):
+    """The head's q `[V]` for its first draft after `seq` (dense: features of the prefix)."""
+    cfg, tp = _target()
+    head = _head(kind)
+    rp = heads.pair(head, cfg, tp)
+    _, hidden = ji.model.decoder.forward_dense(tp, cfg, jnp.asarray([seq]), return_hidden=True)
+    if kind == "medusa":  # head 0 drafts the token after seq from the feature of seq[-2]
+        logits = heads.medusa_logits(rp, head.cfg, hidden[0, -2], 1)[0]
+    else:  # row t reads (token t, feature t-1) and drafts token t+1
+        prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+        feat = heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)[0, -1]
+        logits = heads.feature_logits(rp, head.cfg, feat)
+    x = process_logits(logits[None], SamplingBatch.from_params([sp]))
+    return np.asarray(jax.nn.softmax(x, axis=-1), np.float64)[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rejection_sampling_follows_the_target_distribution(kind):
+    """The first cycle's first token over 128 seeds, given the prefill's token, against the exact
+    target distribution (chi-square, significance 1e-3); negative control: the same counts are
+    rejected against the head's own q, which the draft was sampled from."""
+    n = 128
+    sps = [ji.SamplingParams(temperature=1.0, top_k=3, max_tokens=2, seed=s) for s in range(n)]
+    prompt = PROMPTS[0]
+    outs = ji.speculative.generate(_target(), _head(kind), [prompt] * n, sps, gamma=3)
+    first = np.array([o.token_ids[0] for o in outs])
+    second = np.array([o.token_ids[1] for o in outs])
+    a = np.bincount(first).argmax()
+    counts = np.bincount(second[first == a], minlength=CFG.vocab_size)
+    assert counts.sum() >= 40
+    seq = prompt + [int(a)]
+    p = _declared(CFG, _target()[1], seq, sps[0])
+    assert _chi2_pvalue(counts, p) > 1e-3
+    q = _head_q(kind, seq, sps[0])
+    assert _chi2_pvalue(counts, q) < 1e-3
+    if kind == "eagle-vocab":  # q lives on the draft vocabulary only
+        outside = np.setdiff1d(
+            np.arange(CFG.vocab_size), np.asarray(_head(kind).params["vocab_ids"])
+        )
+        assert np.all(q[outside] == 0)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle-vocab"])
+def test_eagle_paged_catch_up_matches_dense(kind):
+    """The draft's first step (prefill of the prompt, catch-up of 3 committed positions with real
+    features) gives the dense training form's logits at the last position."""
+    cfg, tp = _target()
+    head = _head(kind)
+    rp = heads.pair(head, cfg, tp)
+    seq = PROMPTS[1][:20]
+    _, hidden = ji.model.decoder.forward_dense(tp, cfg, jnp.asarray([seq]), return_hidden=True)
+    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    want = heads.feature_logits(
+        rp, head.cfg, heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)
+    )
+    # Paged: rows 0..16 as the prefill writes them, then the catch-up of rows 17..19.
+    bs, c = 8, 32
+    tables = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    feats = jnp.zeros((1, c, cfg.hidden_size)).at[0, :20].set(hidden[0])
+    hist = jnp.zeros((1, c), jnp.int32).at[0, :20].set(jnp.asarray(seq))
+    cache = ji.cache.paged.init_cache(head.cfg.layer_config, 5, bs)
+    pre = catch_up_batch(hist, jnp.asarray([16]), jnp.asarray([0]), tables, bs, width=17)
+    seqs = jnp.zeros(pre.tokens.shape[0], jnp.int32)
+    _, cache = heads.eagle_paged(
+        rp,
+        head.cfg,
+        pre,
+        cache,
+        heads.eagle.previous_features(feats, seqs, pre.positions),
+        "reference",
+    )
+    batch = catch_up_batch(hist, jnp.asarray([19]), jnp.asarray([17]), tables, bs, width=4)
+    zeros = jnp.zeros(batch.tokens.shape[0], jnp.int32)
+    prevs = heads.eagle.previous_features(feats, zeros, batch.positions)
+    out, _ = heads.eagle_paged(rp, head.cfg, batch, cache, prevs, "reference")
+    got = heads.feature_logits(rp, head.cfg, out[batch.logits_indices])[0]
+    live = np.isfinite(np.asarray(want[0, 19]))
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want[0, 19])[live], atol=1e-4)
+    assert np.array_equal(np.isfinite(np.asarray(got)), live)
+
+
+def test_save_load_round_trip(tmp_path):
+    head = _head("eagle-vocab")
+    heads.save_head(tmp_path / "h", head)
+    back = heads.load_head(tmp_path / "h", CFG)
+    assert back.cfg == head.cfg
+    for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"hidden_size": 48, "num_heads": 3, "num_kv_heads": 1}, "hidden_size"),
+     ({"vocab_size": 100}, "vocab_size"),
+     ({"num_layers": 5}, "num_layers")],
+)  # fmt: skip
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_head_for_another_target_is_refused(tmp_path, kind, change, field):
+    other = CFG.replace(**change)
+    hc = heads.head_config_for(other, kind)
+    init = heads.init_medusa if kind == "medusa" else heads.init_eagle
+    head = heads.Head(hc, init(hc, jax.random.key(0)))
+    with pytest.raises(ValueError, match=f"trained for another target.*{field}"):
+        ji.speculative.generate(_target(), head, PROMPTS[:1], _greedy_requests()[0][0], gamma=2)
+    heads.save_head(tmp_path / kind, head)
+    with pytest.raises(ValueError, match=field):
+        heads.load_head(tmp_path / kind, CFG)
+
+
+def test_bad_head_input_raises():
+    with pytest.raises(ValueError, match="num_medusa_heads=4"):
+        ji.speculative.generate(_target(), _head("medusa"), PROMPTS[:1], gamma=5)
+    with pytest.raises(ValueError, match="kind='tree'"):
+        heads.head_config_for(CFG, "tree")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        heads.head_config_for(CFG, "eagle", draft_vocab_size=CFG.vocab_size + 1)
+    hc = heads.head_config_for(CFG, "eagle", draft_vocab_size=8)
+    bad = heads.Head(hc, heads.init_eagle(hc, jax.random.key(0)))  # no vocab_ids
+    with pytest.raises(ValueError, match="vocab_ids"):
+        ji.speculative.generate(_target(), bad, PROMPTS[:1], gamma=2)
