@@ -27,12 +27,15 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
+from experiments import common
 
 _MODEL = flags.DEFINE_string("model", "target", "'tiny', a packaged model name or a path.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Decoding requests per step.")
 _GAMMAS = flags.DEFINE_list("gammas", ["0", "1", "2", "4", "6"], "Fixed γ per cell.")
 _NEW = flags.DEFINE_integer("new_tokens", 24, "Tokens per request.", lower_bound=4)
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds.", lower_bound=1)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model_check", "Where results.json goes.")
+_CONFIG = common.config_flag()
 
 
 def load(name: str):
@@ -77,9 +80,16 @@ def serve_timed(engine, reqs, n: int) -> tuple[int, float]:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
+    try:
+        bs = [int(b) for b in _BATCH_SIZES.value]
+        gammas = [int(g) for g in _GAMMAS.value]
+    except ValueError as e:
+        raise app.UsageError(f"--batch_sizes / --gammas: {e}") from None
+    if not bs or not gammas or min(bs) < 1 or min(gammas) < 0:
+        raise app.UsageError(f"--batch_sizes >= 1 and --gammas >= 0, got {bs} and {gammas}")
+    common.save_config(_WORKDIR.value)
     cfg, params = load(_MODEL.value)
-    bs = [int(b) for b in _BATCH_SIZES.value]
-    gammas = [int(g) for g in _GAMMAS.value]
     n = _NEW.value
     gmax = max(max(gammas), 1)
     ecfg = dict(
@@ -120,16 +130,23 @@ def main(argv):
     print("| batch | γ | predicted tok/s | measured tok/s | error (median) | error spread |")
     print("|---|---|---|---|---|---|")
     worst = 0.0
+    cells = []
     for (b, g), rows in results.items():
         errs = [p / m - 1 for p, m in rows]
         med = statistics.median(errs)
         worst = max(worst, abs(med))
+        cells.append({"batch": b, "gamma": g, "predicted_measured": rows, "median_error": med})
         print(
             f"| {b} | {g} | {statistics.median(p for p, _ in rows):.1f} | "
             f"{statistics.median(m for _, m in rows):.1f} | {100 * med:+.1f}% | "
             f"{100 * min(errs):+.1f}% .. {100 * max(errs):+.1f}% |"
         )
     print(f"largest |median error|: {100 * worst:.1f}%")
+    common.write_results(
+        _WORKDIR.value,
+        {"model": _MODEL.value, "new_tokens": n, "rounds": _ROUNDS.value, "load1": loads,
+         "cells": cells, "largest_median_error": worst},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

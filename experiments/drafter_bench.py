@@ -1,7 +1,7 @@
 r"""Learned drafters against n-gram and plain decoding on one target: exactness, α per position,
 τ, and batch-1 speedup measured interleaved.
 
-    python experiments/drafter_bench.py --target=smollm2-135m \
+    python -m experiments.drafter_bench --target=smollm2-135m \
         --heads=medusa=/tmp/drafters/medusa/head,eagle=/tmp/drafters/eagle/head \
         --workdir=/tmp/drafters/bench
 
@@ -19,22 +19,15 @@ Writes --workdir/results.json and prints a markdown table.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jaxinfer as ji  # noqa: E402
-from experiments import common  # noqa: E402
-from jaxinfer.speculative import heads  # noqa: E402
+import jaxinfer as ji
+from experiments import common
+from jaxinfer.speculative import heads
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "Target model name or path.")
 _HEADS = flags.DEFINE_list("heads", [], "NAME=PATH of trained heads (heads.save_head folders).")
@@ -47,6 +40,7 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.", lower_bou
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Generated tokens.", lower_bound=1)
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Drafts per cycle.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Interleaved timing repeats.", lower_bound=1)
+_CONFIG = common.config_flag()
 
 
 def alpha_tau(outs, gamma: int) -> dict:
@@ -61,8 +55,10 @@ def alpha_tau(outs, gamma: int) -> dict:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required")
+    common.save_config(_WORKDIR.value)
     cfg, params, path = common.load_model(_TARGET.value, dtype=jnp.float32)
     tok = ji.load_tokenizer(path)
     windows = common.test_windows(tok, cfg, max_tokens=10**7, seq_len=_PROMPT_LEN.value)
@@ -111,7 +107,7 @@ def main(argv):
             "speedup_b1": base / statistics.median(wall[n]),
             **alpha_tau(outs[n], g),
         }
-    common.write_json(_WORKDIR.value, "results.json", results)
+    common.write_results(_WORKDIR.value, results)
     print("| drafter | exact | α per position | τ | speedup b=1 |")
     print("|---|---|---|---|---|")
     for n, r in results["drafters"].items():
@@ -121,5 +117,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.mark_flag_as_required("workdir")
     app.run(main)

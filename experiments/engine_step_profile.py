@@ -27,12 +27,15 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
+from experiments import common
 from jaxinfer.engine import engine as engine_mod
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "'tiny', a packaged model name or a path.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.", lower_bound=1)
 _NEW = flags.DEFINE_integer("new_tokens", 32, "Decode steps timed per run.", lower_bound=2)
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds.", lower_bound=1)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/engine_step_profile", "Where results.json goes.")
+_CONFIG = common.config_flag()
 _VARIANTS = flags.DEFINE_list(
     "variants",
     ["stacked-T16", "stacked-T1", "layout-T16", "layout-T1", "default"],
@@ -146,6 +149,8 @@ def engine_steps(engine, prompt, n: int) -> dict:
 
 def main(argv):
     del argv
+    common.apply_config(_CONFIG.value)
+    common.save_config(_WORKDIR.value)
     cfg, params = load(_MODEL.value)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, cfg.vocab_size, _PROMPT_LEN.value).tolist()
@@ -176,6 +181,12 @@ def main(argv):
               + f" | {shapes} |")  # fmt: skip
     for v, e in engines.items():
         print(f"{v}: token buckets {e.token_buckets}")
+    common.write_results(
+        _WORKDIR.value,
+        {"model": _MODEL.value, "prompt_len": _PROMPT_LEN.value, "new_tokens": n,
+         "load1": loads, "generate_per_token_ms": gen, "variants": res,
+         "token_buckets": {v: list(e.token_buckets) for v, e in engines.items()}},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

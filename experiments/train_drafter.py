@@ -1,10 +1,10 @@
 r"""Trains a learned drafter for a frozen target: Medusa heads, an EAGLE-style head, or a
 distilled draft model.
 
-    python experiments/train_drafter.py --kind=medusa --target=smollm2-135m \
+    python -m experiments.train_drafter --kind=medusa --target=smollm2-135m \
         --workdir=/tmp/drafters/medusa --features_dir=/tmp/drafters/features
-    python experiments/train_drafter.py --kind=eagle --target=smollm2-135m ...
-    python experiments/train_drafter.py --config=/tmp/drafters/medusa/config.json  # rerun
+    python -m experiments.train_drafter --kind=eagle --target=smollm2-135m ...
+    python -m experiments.train_drafter --config=/tmp/drafters/medusa/config.json  # rerun
 
 1. **Teacher features, once.** The target's compiled dense forward (`forward_dense(...,
    return_hidden=True)`) runs over non-overlapping windows of a corpus split; per position it
@@ -35,31 +35,25 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
 from absl import app, flags
+from tqdm import tqdm
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import jaxinfer as ji  # noqa: E402
-from experiments import common  # noqa: E402
-from jaxinfer.model.decoder import forward_dense  # noqa: E402
-from jaxinfer.model.layers import rms_norm  # noqa: E402
-from jaxinfer.model.params import init_params  # noqa: E402
-from jaxinfer.ops.linear import linear  # noqa: E402
-from jaxinfer.speculative import heads  # noqa: E402
-from jaxinfer.train import plot_curve  # noqa: E402
+import jaxinfer as ji
+from experiments import common
+from jaxinfer.model.decoder import forward_dense
+from jaxinfer.model.layers import rms_norm
+from jaxinfer.model.params import init_params
+from jaxinfer.ops.linear import linear
+from jaxinfer.speculative import heads
+from jaxinfer.train import plot_curve
 
 KINDS = ("medusa", "eagle", "draft")
 STEP_DECAY = 0.8  # EAGLE / Medusa weight of the k-th step ahead
@@ -375,32 +369,42 @@ def run(tc: DrafterTrainConfig, progress: bool = True) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 _DEFAULTS = DrafterTrainConfig()
-_CONFIG = flags.DEFINE_string("config", "", "A saved config.json to rerun (flags override).")
 _POSITIVE = ("num_tokens", "seq_len", "feature_batch", "topk", "steps", "batch_size",
              "checkpoint_every", "num_medusa_heads", "unroll", "draft_hidden",
              "draft_layers")  # fmt: skip
-_FLAGS = {}
-for _f in dataclasses.fields(DrafterTrainConfig):  # one flag per field; None: keep the config's
-    _d = getattr(_DEFAULTS, _f.name)
-    _help = f"DrafterTrainConfig.{_f.name} (default {_d!r})"
-    if _f.name == "kind":
-        _FLAGS[_f.name] = flags.DEFINE_enum("kind", None, KINDS, _help)
-    elif isinstance(_d, int):
-        low = 1 if _f.name in _POSITIVE else 0
-        _FLAGS[_f.name] = flags.DEFINE_integer(_f.name, None, _help, lower_bound=low)
-    elif isinstance(_d, float):
-        _FLAGS[_f.name] = flags.DEFINE_float(_f.name, None, _help, lower_bound=0.0)
-    else:
-        _FLAGS[_f.name] = flags.DEFINE_string(_f.name, None, _help)
+_FLAGS: dict = {}
+
+
+def define_flags() -> None:
+    """One flag per DrafterTrainConfig field (None: keep the config's), and --config.
+
+    Defined when run as a script only: the tests import this module for `run` and
+    `load_config`, beside other experiments whose flags (--workdir, ...) share absl's registry.
+    """
+    _FLAGS["config"] = common.config_flag()  # a saved config.json to rerun (flags override)
+    for f in dataclasses.fields(DrafterTrainConfig):
+        d = getattr(_DEFAULTS, f.name)
+        help_ = f"DrafterTrainConfig.{f.name} (default {d!r})"
+        if f.name == "kind":
+            _FLAGS[f.name] = flags.DEFINE_enum("kind", None, KINDS, help_)
+        elif isinstance(d, int):
+            low = 1 if f.name in _POSITIVE else 0
+            _FLAGS[f.name] = flags.DEFINE_integer(f.name, None, help_, lower_bound=low)
+        elif isinstance(d, float):
+            _FLAGS[f.name] = flags.DEFINE_float(f.name, None, help_, lower_bound=0.0)
+        else:
+            _FLAGS[f.name] = flags.DEFINE_string(f.name, None, help_)
 
 
 def main(argv):
     del argv
-    base = load_config(_CONFIG.value) if _CONFIG.value else _DEFAULTS
-    over = {k: f.value for k, f in _FLAGS.items() if f.value is not None}
+    config = _FLAGS["config"].value
+    base = load_config(config) if config else _DEFAULTS
+    over = {k: f.value for k, f in _FLAGS.items() if k != "config" and f.value is not None}
     tc = dataclasses.replace(base, **over)
     print(json.dumps(run(tc), indent=2))
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

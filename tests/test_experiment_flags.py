@@ -20,7 +20,9 @@ _PARSER = """
 import json, sys
 from absl import flags
 import importlib
-importlib.import_module(sys.argv[1])
+mod = importlib.import_module(sys.argv[1])
+if hasattr(mod, "define_flags"):  # a script that defines its flags only when run (train_drafter)
+    mod.define_flags()
 out = []
 for argv in json.loads(sys.argv[2]):
     try:
@@ -106,6 +108,10 @@ CASES = {
     "sim_h200": [([], None), (["--tp=0"], ">= 1"), (["--rates=0"], "> 0")],
     "quality_report": [([], None), (["--calib_sequences=0"], "not a positive integer")],
     "bench_serve": [([], None), (["--rates=-1"], "> 0")],
+    "cost_model_check": [([], None), (["--rounds=0"], "not a positive integer")],
+    "engine_step_profile": [([], None), (["--prompt_len=0"], "not a positive integer")],
+    "drafter_bench": [([], None), (["--gamma=0"], "not a positive integer")],
+    "train_drafter": [([], None), (["--kind=foo"], "should be one of"), (["--steps=0"], "not a positive integer")],
     "disagg_bench": [
         ([], None),
         (["--parts=transfer,foo"], "'foo' is not one of"),
