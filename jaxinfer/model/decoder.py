@@ -3,7 +3,8 @@
 Both forwards share every layer function; `forward` serves prefill, chunked prefill, decode and
 speculative verification over the ragged batch of `BatchMetadata`, in any mix. `forward` runs a
 Python loop over the unrolled params form (`inference_layout`) or one `lax.scan` over the stacked
-one; `forward_dense` (training, scoring, calibration: large batches) always scans.
+one; `forward_dense` (training, scoring, calibration: large batches) scans the stacked form and
+loops over the unrolled one (a server scores prompts with its engine's laid-out params).
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ def forward_dense(
     def layer(x, lp):
         return decoder_layer_dense(x, lp, cfg, backend), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    if isinstance(params["layers"], tuple | list):  # the unrolled form (an engine's on a CPU)
+        for lp in params["layers"]:
+            x, _ = layer(x, lp)
+    else:
+        x, _ = jax.lax.scan(layer, x, params["layers"])
     logits = logits_from_hidden(params, cfg, x, backend)
     return (logits, x) if return_hidden else logits

@@ -112,3 +112,19 @@ def test_loop_layout_only_on_a_cpu():
     laid = loop_layout(params, "cpu")
     assert isinstance(laid["layers"], tuple)
     assert loop_layout(params, "gpu") is params
+
+
+def test_forward_dense_and_score_take_the_inference_layout():
+    """An engine on a CPU holds `inference_layout` params; the server scores prompts (`echo`
+    with logprobs) through `ji.score` on them: the dense forward must loop over the unrolled
+    layers and give the stored params' logits."""
+    cfg = ji.ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    params = random_params(cfg, seed=3)
+    tokens = np.random.RandomState(1).randint(0, 64, (2, 11)).astype(np.int32)
+    want = np.asarray(ji.score(cfg, params, tokens))
+    got = np.asarray(ji.score(cfg, inference_layout(params), tokens))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).max() > 0.1  # a real signal, not two zero arrays
