@@ -36,6 +36,7 @@ from jaxinfer.data import random_windows
 from jaxinfer.losses import distill_kl, lm_loss, token_cross_entropy
 from jaxinfer.model.decoder import forward_dense
 from jaxinfer.model.params import init_params
+from jaxinfer.ops.backend import resolve_backend
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -225,9 +226,10 @@ def make_train_step(tc: TrainConfig, teacher_cfg: ModelConfig | None = None) -> 
     optimizer = make_optimizer(tc)
     schedule = lr_schedule(tc)
     kd = tc.kd_weight if teacher_cfg is not None else 0.0
+    backend = resolve_backend("auto")  # once, here: nothing traced reads the platform
 
     def loss_fn(params, inputs, targets, teacher_logits):
-        logits = forward_dense(params, cfg, inputs)  # [B, S, V] float32
+        logits = forward_dense(params, cfg, inputs, backend=backend)  # [B, S, V] float32
         ce = lm_loss(logits, targets)
         if teacher_logits is None:
             return ce, (ce, jnp.zeros((), jnp.float32))
@@ -239,7 +241,7 @@ def make_train_step(tc: TrainConfig, teacher_cfg: ModelConfig | None = None) -> 
         inputs, targets = windows[:, :-1], windows[:, 1:]  # [B, S] each
         teacher_logits = None
         if teacher_cfg is not None:
-            teacher_logits = forward_dense(teacher_params, teacher_cfg, inputs)  # [B, S, V]
+            teacher_logits = forward_dense(teacher_params, teacher_cfg, inputs, backend=backend)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (ce, kl)), grads = grad_fn(state.params, inputs, targets, teacher_logits)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -259,10 +261,11 @@ def make_train_step(tc: TrainConfig, teacher_cfg: ModelConfig | None = None) -> 
 @functools.lru_cache(maxsize=8)
 def make_eval_fn(cfg: ModelConfig) -> Callable[[dict, jax.Array], jax.Array]:
     """Jitted `(params, windows [B, S+1]) -> [B]`: each window's summed token cross entropy."""
+    backend = resolve_backend("auto")  # once, here: nothing traced reads the platform
 
     @jax.jit
     def eval_fn(params, windows):
-        logits = forward_dense(params, cfg, windows[:, :-1])  # [B, S, V]
+        logits = forward_dense(params, cfg, windows[:, :-1], backend=backend)  # [B, S, V]
         return jnp.sum(token_cross_entropy(logits, windows[:, 1:]), axis=-1)  # [B]
 
     return eval_fn
