@@ -21,7 +21,9 @@ PROMPTS = [
     "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n",
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
 ]
-SPEC = ji.SpeculativeConfig(drafter="ngram", num_speculative_tokens="auto", max_gamma=3)
+# A fixed γ: "auto" picks γ from measured step times, so whether any draft is proposed (and
+# accepted) would depend on the machine's load; the counters' equality holds for any γ.
+SPEC = ji.SpeculativeConfig(drafter="ngram", num_speculative_tokens=3, max_gamma=3)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, sp
     assert set(by_gamma) == {f'gamma="{g}"' for g in range(SPEC.max_gamma + 1)}
     assert sum(by_gamma.values()) == steps
     assert total("jaxinfer:engine_step_seconds_count") == steps  # every step timed
-    assert by_gamma['gamma="0"'] < steps  # auto γ drafted on some steps
+    assert by_gamma['gamma="0"'] < steps  # γ = 3 drafted on some steps
 
     # The engine's cycle log: one line per row per speculative step, summing to the counters.
     lines = [json.loads(x) for x in (spec_server.dir / "cycles.jsonl").read_text().splitlines()]
