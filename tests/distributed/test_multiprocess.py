@@ -88,8 +88,15 @@ HANG = """
 import os, pathlib, subprocess, sys, time
 out = pathlib.Path(sys.argv[1]); i = sys.argv[-1]
 kid = subprocess.Popen(["sleep", "600"])  # a grandchild in the same process group
-(out / f"pid_{i}").write_text(f"{os.getpid()} {kid.pid}")
+(out / f"tmp_{i}").write_text(f"{os.getpid()} {kid.pid}")
+os.replace(out / f"tmp_{i}", out / f"pid_{i}")  # atomic: a pid file is never seen half-written
 if i == "1" and sys.argv[2] == "fail":
+    # fail only once every process has started (and written its pids): on a loaded machine the
+    # launcher otherwise stops the slow starters before they write, and there is nothing to check
+    n = int(sys.argv[sys.argv.index("--num_processes") + 1])
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("pid_*"))) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)
 time.sleep(600)
 """
@@ -100,9 +107,9 @@ def test_launch_always_reaps(mode, tmp_path):
     cmd = _script(HANG) + [str(tmp_path), mode]
     start = time.monotonic()
     with pytest.raises(LaunchError, match="timed out" if mode == "hang" else "a process failed"):
-        launch(cmd, 3, tmp_path, timeout=20 if mode == "fail" else 3, env=child_env(), grace=1)
+        launch(cmd, 3, tmp_path, timeout=90 if mode == "fail" else 8, env=child_env(), grace=1)
     if mode == "fail":
-        assert time.monotonic() - start < 20  # a failure stops the job before the deadline
+        assert time.monotonic() - start < 90  # a failure stops the job before the deadline
     pids = [int(p) for f in sorted(tmp_path.glob("pid_*")) for p in f.read_text().split()]
     assert len(pids) == 6
     assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p, 0.1)]
