@@ -40,6 +40,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -70,6 +71,10 @@ _MAX_WAITING = flags.DEFINE_integer(
 _IN_PROCESS = flags.DEFINE_boolean(
     "in_process", None, "Also run serve_bench's in-process engine; default: if we start it."
 )
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 1, "Runs per rate of each path, HTTP and in-process interleaved, their order "
+    "alternating; the table adds the medians of their paired differences.", lower_bound=1,
+)  # fmt: skip
 _SOAK = flags.DEFINE_boolean("soak", False, "Run the soak instead of the rate sweep.")
 _SOAK_REQUESTS = flags.DEFINE_integer("soak_requests", 1000, "Soak requests.", lower_bound=1)
 _SOAK_RATE = flags.DEFINE_float(
@@ -299,39 +304,96 @@ def _cpu_ms_per_token(seconds: float | None, out: dict) -> float | None:
     return 1e3 * seconds / m["total_output_tokens"]
 
 
+def reset_prefix_cache(base_url: str) -> None:
+    """Empties the server's prefix cache, so a replayed workload finds only what it shares
+    itself (the in-process engine starts empty every run); a server without the route is told."""
+    r = httpx.post(base_url + "/reset_prefix_cache")
+    if r.status_code == 404:
+        logging.warning("%s has no /reset_prefix_cache: HTTP runs may hit earlier runs' prompts", base_url)
+    else:
+        r.raise_for_status()
+
+
+def _serve_http(base_url, model, reqs, slo, server) -> dict:
+    """One run over HTTP, with the CPU ms per token of the server process and of the clients."""
+    reset_prefix_cache(base_url)
+    load = common.load_average()
+    srv0, cli0 = server.cpu_s() if server else None, time.process_time()
+    res = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
+    srv1, cli1 = server.cpu_s() if server else None, time.process_time()
+    srv_s = srv1 - srv0 if srv0 is not None and srv1 is not None else None
+    res.update(
+        load_avg_1m=load,
+        server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, res),
+        client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, res),
+    )
+    return res
+
+
+def _serve_in_process(cfg, params, bc, reqs, slo) -> dict:
+    load, cpu0 = common.load_average(), time.process_time()
+    res = sb.run_engine(cfg, params, sb.engine_config(bc, "engine"), reqs, slo)
+    res.update(
+        load_avg_1m=load,
+        server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, res),
+    )
+    return res
+
+
+def paired(pairs: list[dict]) -> dict | None:
+    """HTTP against in-process over repeated runs, each pair adjacent in time: the medians (and
+    min / max) of the goodput ratio and of the TTFT p50 and TPOT p50 differences (HTTP minus
+    in-process, ms). Pairs where either side completed nothing are left out."""
+    both = [p for p in pairs if all((p.get(k) or {}).get("summary") for k in ("http", "in_process"))]
+    if not both:
+        return None
+
+    def stat(xs):
+        xs = [x for x in xs if x is not None and math.isfinite(x)]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+    h = [p["http"]["summary"] for p in both]
+    i = [p["in_process"]["summary"] for p in both]
+    ratio = [a["goodput"] / b["goodput"] if a["goodput"] and b["goodput"] else None for a, b in zip(h, i)]
+    return {
+        "pairs": len(both),
+        "goodput_ratio": stat(ratio),
+        "ttft_p50_diff_ms": stat([1e3 * (a["ttft"]["p50"] - b["ttft"]["p50"]) for a, b in zip(h, i)]),
+        "tpot_p50_diff_ms": stat(
+            [1e3 * (a["tpot"]["p50"] - b["tpot"]["p50"]) for a, b in zip(h, i)
+             if a["tpot"]["p50"] is not None and b["tpot"]["p50"] is not None]
+        ),  # fmt: skip
+    }
+
+
 def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
-    """Each rate over HTTP, then in-process; with CPU ms per output token of the server
-    process, of this process's clients, and of the in-process engine (this process)."""
+    """Each rate over HTTP and in-process, --repeats times, the two interleaved with their order
+    alternating; with CPU ms per output token of the server process, of this process's clients,
+    and of the in-process engine (this process). `runs[path][k]` is rate k's first repeat (with
+    every repeat under "repeats"); `paired[k]` compares the repeats pair by pair."""
     out = {}
     for name in bc.workloads:
         cap = capacity(base_url, model, name, bc, vocab)
         rates = list(bc.rates) or [f * cap for f in bc.rate_fractions]
-        runs = {"http": [], "in_process": []}
+        runs: dict = {"http": [], "in_process": []}
+        pairs_by_rate = []
         for rate in rates:
             reqs = arrivals(name, bc, rate, bc.num_requests, vocab)
-            load = common.load_average()
-            srv0, cli0 = server.cpu_s() if server else None, time.process_time()
-            res = summarize(run_http(base_url, model, reqs, None, _MAX_CONCURRENCY.value), slo)
-            srv1, cli1 = server.cpu_s() if server else None, time.process_time()
-            srv_s = srv1 - srv0 if srv0 is not None and srv1 is not None else None
-            res.update(
-                load_avg_1m=load,
-                server_cpu_ms_per_token=_cpu_ms_per_token(srv_s, res),
-                client_cpu_ms_per_token=_cpu_ms_per_token(cli1 - cli0, res),
-            )
-            runs["http"].append(res)
-            if in_process is not None:
-                cfg, params = in_process
-                ecfg = sb.engine_config(bc, "engine")
-                load, cpu0 = common.load_average(), time.process_time()
-                res = sb.run_engine(cfg, params, ecfg, reqs, slo)
-                res.update(
-                    load_avg_1m=load,
-                    server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, res),
-                )
-                runs["in_process"].append(res)
+            pairs = []
+            for rep in range(_REPEATS.value):
+                order = ("http", "in_process") if rep % 2 == 0 else ("in_process", "http")
+                pair = {}
+                for path in order:
+                    if path == "http":
+                        pair[path] = _serve_http(base_url, model, reqs, slo, server)
+                    elif in_process is not None:
+                        pair[path] = _serve_in_process(*in_process, bc, reqs, slo)
+                pairs.append(pair)
+            for path in pairs[0]:
+                runs[path].append(dict(pairs[0][path], repeats=[p[path] for p in pairs]))
+            pairs_by_rate.append(paired(pairs))
             logging.info("%s @ %.2f req/s done", name, rate)
-        out[name] = {"capacity_rps": cap, "rates": rates, "runs": runs}
+        out[name] = {"capacity_rps": cap, "rates": rates, "runs": runs, "paired": pairs_by_rate}
     return out
 
 
@@ -408,6 +470,23 @@ def markdown(bc, slo, results, command) -> str:
                     f"{common.fmt(out.get('load_avg_1m'), 1)} |"
                 )
         lines.append("")
+        if any(w.get("paired") or ()):
+            lines += [
+                f"HTTP against in-process over {_REPEATS.value} interleaved repeats per rate "
+                "(median [min, max] of the pairs):", "",
+                "| rate (req/s) | pairs | goodput HTTP / in-process | TTFT p50 HTTP − in-process (ms) "
+                "| TPOT p50 HTTP − in-process (ms) |", "|---|---|---|---|---|",
+            ]  # fmt: skip
+            for rate, pr in zip(w["rates"], w["paired"]):
+                if pr is None:
+                    continue
+                cells = []
+                for key, digits in (("goodput_ratio", 3), ("ttft_p50_diff_ms", 1), ("tpot_p50_diff_ms", 1)):
+                    st = pr[key]
+                    cells.append("—" if st is None else f"{st['median']:.{digits}f} "
+                                 f"[{st['min']:.{digits}f}, {st['max']:.{digits}f}]")  # fmt: skip
+                lines.append(f"| {rate:.2f} | {pr['pairs']} | " + " | ".join(cells) + " |")
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -3,6 +3,8 @@
     GET  /health               200 while the engine thread runs
     GET  /v1/models            the one served model
     GET  /metrics              Prometheus text (metrics.py)
+    POST /reset_prefix_cache   forgets every unused cached block (vLLM's route), for benchmarks
+                               that replay the same prompts: {"freed_blocks": n}
     POST /v1/completions       prompt: a string, a list of strings, token ids or lists of them
     POST /v1/chat/completions  messages rendered with the model's chat template
 
@@ -209,6 +211,13 @@ def build_app(
     async def metrics():
         body, ctype = engine.metrics.render()
         return Response(body, media_type=ctype)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        if not engine.alive:
+            raise P.APIError(503, "the engine is not running")
+        fut = engine.call(lambda e: e.allocator.reset_prefix_cache())  # on the engine thread
+        return {"freed_blocks": await asyncio.wrap_future(fut)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import jaxinfer as ji
-from tests.server.conftest import MODEL, served
+from tests.server.conftest import MODEL, metric, served
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -309,3 +309,20 @@ def test_request_log(server, client):
     assert {"arrival", "first_token", "finish", "prompt_tokens", "completion_tokens"} <= set(rec)
     assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
     assert rec["finish_reason"] in ("stop", "length")
+
+
+def test_reset_prefix_cache(server, client):
+    """A replayed prompt hits the prefix cache; after POST /reset_prefix_cache it does not."""
+    prompt = list(range(300, 340))  # 40 tokens: two full blocks of 16 are cached
+
+    def hits_of_one_request() -> float:
+        before = metric(server, "jaxinfer:prefix_cache_hits_total")
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return metric(server, "jaxinfer:prefix_cache_hits_total") - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 32  # the replay found both blocks
+    freed = httpx.post(server.url + "/reset_prefix_cache").json()["freed_blocks"]
+    assert freed >= 2
+    assert httpx.post(server.url + "/reset_prefix_cache").json()["freed_blocks"] == 0
+    assert hits_of_one_request() == 0

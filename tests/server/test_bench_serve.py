@@ -29,8 +29,16 @@ def test_soak_and_sweep_attached(server, tmp_path):
     assert out["status_codes"].get("200", 0) + out["rejected_503"] == 40
     res = _bench(
         server, tmp_path / "sweep", "--rate_fractions=0.5", "--burstiness=0.5",
-        "--slo_ttft_s=10", "--slo_tpot_s=1", "--max_concurrency=4",
+        "--slo_ttft_s=10", "--slo_tpot_s=1", "--max_concurrency=4", "--repeats=2", "--in_process",
     )  # fmt: skip
-    run = res["workloads"]["sharegpt"]["runs"]["http"][0]
+    w = res["workloads"]["sharegpt"]
+    run = w["runs"]["http"][0]
     assert run["failed"] == 0 and run["summary"]["num_completed"] == 8
     assert run["summary"]["goodput"] > 0 and res["server_exit_code"] is None  # attached: not ours
+    # two repeats per path, interleaved, compared pair by pair
+    assert [len(w["runs"][p][0]["repeats"]) for p in ("http", "in_process")] == [2, 2]
+    pair = w["paired"][0]
+    assert pair["pairs"] == 2 and pair["goodput_ratio"]["min"] > 0
+    ttft = [1e3 * (a["summary"]["ttft"]["p50"] - b["summary"]["ttft"]["p50"])
+            for a, b in zip(w["runs"]["http"][0]["repeats"], w["runs"]["in_process"][0]["repeats"])]  # fmt: skip
+    assert pair["ttft_p50_diff_ms"]["min"] == min(ttft) and pair["ttft_p50_diff_ms"]["max"] == max(ttft)
