@@ -310,7 +310,9 @@ def reset_prefix_cache(base_url: str) -> None:
     itself (the in-process engine starts empty every run); a server without the route is told."""
     r = httpx.post(base_url + "/reset_prefix_cache")
     if r.status_code == 404:
-        logging.warning("%s has no /reset_prefix_cache: HTTP runs may hit earlier runs' prompts", base_url)
+        logging.warning(
+            "%s has no /reset_prefix_cache: HTTP runs may hit earlier runs' prompts", base_url
+        )
     else:
         r.raise_for_status()
 
@@ -345,7 +347,9 @@ def paired(pairs: list[dict]) -> dict | None:
     """HTTP against in-process over repeated runs, each pair adjacent in time: the medians (and
     min / max) of the goodput ratio and of the TTFT p50 and TPOT p50 differences (HTTP minus
     in-process, ms). Pairs where either side completed nothing are left out."""
-    both = [p for p in pairs if all((p.get(k) or {}).get("summary") for k in ("http", "in_process"))]
+    both = [
+        p for p in pairs if all((p.get(k) or {}).get("summary") for k in ("http", "in_process"))
+    ]
     if not both:
         return None
 
@@ -355,14 +359,21 @@ def paired(pairs: list[dict]) -> dict | None:
 
     h = [p["http"]["summary"] for p in both]
     i = [p["in_process"]["summary"] for p in both]
-    ratio = [a["goodput"] / b["goodput"] if a["goodput"] and b["goodput"] else None for a, b in zip(h, i)]
+    ratio = [
+        a["goodput"] / b["goodput"] if a["goodput"] and b["goodput"] else None for a, b in zip(h, i)
+    ]
     return {
         "pairs": len(both),
         "goodput_ratio": stat(ratio),
-        "ttft_p50_diff_ms": stat([1e3 * (a["ttft"]["p50"] - b["ttft"]["p50"]) for a, b in zip(h, i)]),
+        "ttft_p50_diff_ms": stat(
+            [1e3 * (a["ttft"]["p50"] - b["ttft"]["p50"]) for a, b in zip(h, i)]
+        ),
         "tpot_p50_diff_ms": stat(
-            [1e3 * (a["tpot"]["p50"] - b["tpot"]["p50"]) for a, b in zip(h, i)
-             if a["tpot"]["p50"] is not None and b["tpot"]["p50"] is not None]
+            [
+                1e3 * (a["tpot"]["p50"] - b["tpot"]["p50"])
+                for a, b in zip(h, i)
+                if a["tpot"]["p50"] is not None and b["tpot"]["p50"] is not None
+            ]
         ),  # fmt: skip
     }
 
@@ -475,14 +486,18 @@ def markdown(bc, slo, results, command) -> str:
             lines += [
                 f"HTTP against in-process over {_REPEATS.value} interleaved repeats per rate "
                 "(median [min, max] of the pairs):", "",
-                "| rate (req/s) | pairs | goodput HTTP / in-process | TTFT p50 HTTP − in-process (ms) "
-                "| TPOT p50 HTTP − in-process (ms) |", "|---|---|---|---|---|",
+                "| rate (req/s) | pairs | goodput HTTP / in-process | TTFT p50 HTTP − in-process "
+                "(ms) | TPOT p50 HTTP − in-process (ms) |", "|---|---|---|---|---|",
             ]  # fmt: skip
             for rate, pr in zip(w["rates"], w["paired"]):
                 if pr is None:
                     continue
                 cells = []
-                for key, digits in (("goodput_ratio", 3), ("ttft_p50_diff_ms", 1), ("tpot_p50_diff_ms", 1)):
+                for key, digits in (
+                    ("goodput_ratio", 3),
+                    ("ttft_p50_diff_ms", 1),
+                    ("tpot_p50_diff_ms", 1),
+                ):
                     st = pr[key]
                     cells.append("—" if st is None else f"{st['median']:.{digits}f} "
                                  f"[{st['min']:.{digits}f}, {st['max']:.{digits}f}]")  # fmt: skip

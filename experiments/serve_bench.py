@@ -45,9 +45,8 @@ import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer import data
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.engine import SLO, MetricsCollector, workload
+from jaxinfer.engine import SLO, MetricsCollector, speculation, workload
 from jaxinfer.engine.cycles import warm_up
-from jaxinfer.engine import speculation
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
 from jaxinfer.memory import tree_bytes

@@ -98,7 +98,8 @@ def make_requests(
         text = _check_text(text, vocab, max_len)
         starts = [rng.randint(max_len, len(text) - (p - s) + 1) for s, p, _ in lengths]
         prompts = [
-            text[:s].tolist() + text[b : b + p - s].tolist() for (s, p, _), b in zip(lengths, starts)
+            text[:s].tolist() + text[b : b + p - s].tolist()
+            for (s, p, _), b in zip(lengths, starts)
         ]  # the stream's first max_len ids are the shared system prompt
     arrival_rng = np.random.RandomState([seed, 7, int(rate * 1000) if math.isfinite(rate) else 0])
     gaps = arrival_rng.exponential(1.0 / rate, n) if math.isfinite(rate) else np.zeros(n)

@@ -13,31 +13,20 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pytest
 
 from jaxinfer.distributed import worker
 from jaxinfer.distributed.launch import launch
-from tests.distributed._child import child_env
+from tests.distributed._child import SMALL_ENGINE, child_env, mixed_requests
 from tests.distributed.test_multiprocess import _gone
 
 ABORT = 2  # the request aborted during its transfer
 
 
 def _spec() -> dict:
-    rng = np.random.RandomState(1)
-    shared = rng.randint(2, 4096, 9).tolist()
-    requests = []
-    for i in range(6):
-        prompt = (shared if i % 2 else []) + rng.randint(2, 4096, int(rng.randint(4, 12))).tolist()
-        sampling = dict(max_tokens=6, ignore_eos=True, temperature=0.0)
-        if i >= 3:
-            sampling.update(temperature=0.8, seed=20 + i)
-        requests.append(dict(prompt=prompt, sampling=sampling))
+    requests, shared = mixed_requests(seed=1, sample_seed=20)
     requests.append(dict(prompt=shared[:8], sampling=dict(max_tokens=6, ignore_eos=True)))
-    engine = dict(block_size=4, num_blocks=11, max_num_seqs=4, max_num_batched_tokens=16,
-                  long_prefill_threshold=8, min_token_bucket=16, min_block_bucket=8,
-                  min_seq_bucket=4)  # fmt: skip
+    engine = dict(SMALL_ENGINE, long_prefill_threshold=8)
     decode = {**engine, "num_blocks": 9}  # a smaller decode pool: it must preempt
     return dict(model="target", engine=engine, decode_engine=decode, requests=requests)
 

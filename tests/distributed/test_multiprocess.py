@@ -15,29 +15,18 @@ import pathlib
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from jaxinfer.distributed import worker
 from jaxinfer.distributed.launch import LaunchError, launch
-from tests.distributed._child import ROOT, child_env
+from tests.distributed._child import ROOT, SMALL_ENGINE, child_env, mixed_requests
 
 TIMEOUT = 300  # seconds per launch; 2 processes take ~20 s on the shared 2-core machine
 
 
 def _spec() -> dict:
-    rng = np.random.RandomState(0)
-    shared = rng.randint(2, 4096, 9).tolist()
-    requests = []
-    for i in range(6):
-        prompt = (shared if i % 2 else []) + rng.randint(2, 4096, int(rng.randint(4, 12))).tolist()
-        sampling = dict(max_tokens=6, ignore_eos=True, temperature=0.0)
-        if i >= 3:
-            sampling.update(temperature=0.8, seed=10 + i)
-        requests.append(dict(prompt=prompt, sampling=sampling))
-    engine = dict(block_size=4, num_blocks=11, max_num_seqs=4, max_num_batched_tokens=16,
-                  min_token_bucket=16, min_block_bucket=8, min_seq_bucket=4)  # fmt: skip
-    return dict(model="target", engine=engine, requests=requests)
+    requests, _ = mixed_requests(seed=0, sample_seed=10)
+    return dict(model="target", engine=dict(SMALL_ENGINE), requests=requests)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,12 @@ def test_soak_and_sweep_attached(server, tmp_path):
     assert [len(w["runs"][p][0]["repeats"]) for p in ("http", "in_process")] == [2, 2]
     pair = w["paired"][0]
     assert pair["pairs"] == 2 and pair["goodput_ratio"]["min"] > 0
-    ttft = [1e3 * (a["summary"]["ttft"]["p50"] - b["summary"]["ttft"]["p50"])
-            for a, b in zip(w["runs"]["http"][0]["repeats"], w["runs"]["in_process"][0]["repeats"])]  # fmt: skip
-    assert pair["ttft_p50_diff_ms"]["min"] == min(ttft) and pair["ttft_p50_diff_ms"]["max"] == max(ttft)
+    http, local = (w["runs"][p][0]["repeats"] for p in ("http", "in_process"))
+    ttft = [
+        1e3 * (a["summary"]["ttft"]["p50"] - b["summary"]["ttft"]["p50"])
+        for a, b in zip(http, local)
+    ]
+    assert (pair["ttft_p50_diff_ms"]["min"], pair["ttft_p50_diff_ms"]["max"]) == (
+        min(ttft),
+        max(ttft),
+    )
