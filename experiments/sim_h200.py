@@ -67,6 +67,7 @@ def main(argv):
         config = ji.EngineConfig(
             block_size=_BLOCK, num_blocks=nb, max_num_seqs=_MAX_SEQS.value,
             max_num_batched_tokens=_BUDGET.value,
+            token_buckets="pow2",  # the roofline prices real tokens: T's padding costs nothing
         )  # fmt: skip
         sim = Simulator(config, RooflineStepTime(cfg, H200, tp=tp))
         for rate in map(float, _RATES.value):

@@ -1,8 +1,8 @@
 """A serving simulator: the engine's own `Scheduler` and `BlockAllocator` on a virtual clock.
 
-    model = LinearStepTime.fit(measured)                # or RooflineStepTime(preset("llama2-7b"))
-    sim = Simulator(EngineConfig(...), model)
-    summary = sim.run([SimRequest(arrival_s, prompt, max_tokens), ...], slo=SLO(0.5, 0.05))
+    model = TableStepTime.fit(measured)     # or LinearStepTime.fit, RooflineStepTime(preset(..))
+    sim = Simulator(engine_config, model, token_buckets=engine.token_buckets)
+    summary = sim.run([SimRequest(arrival_s, prompt, max_tokens), ...]).summary(SLO(0.5, 0.05))
 
 Where the engine runs a jitted step, the simulator advances a clock by the time a step-time model
 predicts for that step's shape; everything else is the engine's code: the same `Scheduler`
@@ -10,12 +10,19 @@ predicts for that step's shape; everything else is the engine's code: the same `
 the same `MetricsCollector` giving TTFT, TPOT and goodput. A request runs to its `max_tokens`
 (the sampled ids are placeholders, not a model's, so no stop token ends it early: replay engine
 runs with `ignore_eos` or a trace's output lengths). Prefix-cache hits on prompts are exact;
-hits on generated tokens (recompute after preemption) see placeholders.
+hits on generated tokens (recompute after preemption) see placeholders. So an engine whose
+metrics clock advances by the same model's price of each step it runs gives exactly the
+simulator's timestamps (tests/engine/test_sim.py); against wall-clock time the simulator is as
+good as its step-time model (experiments/sim_check.py).
 
-The engine pads each step to buckets (`step_shape`); a step's cost follows the padded shape, so
-the models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least squares on measured steps)
-and `RooflineStepTime` (max of FLOPs over peak and bytes over bandwidth, per TP shard, for
-machines not here, e.g. an H200).
+The engine pads each step (`step_shape`, the engine's own `step.padded_shape`): T to its token
+buckets, which with `token_buckets="measured"` a cost table timed at the engine's construction
+chose, so the simulator takes the engine's `Engine.token_buckets` (a "pow2" config fixes them
+alone: `config_token_buckets`); B and M to powers of two. A step's cost follows the padded
+shape, so the step-time models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least
+squares), `TableStepTime` (a base time per T bucket plus per-sequence and context terms: a CPU's
+step time is not linear in T across buckets) and `RooflineStepTime` (max of FLOPs over peak and
+bytes over bandwidth, per TP shard, for machines not here, e.g. an H200).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler
+from jaxinfer.engine.step import padded_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +55,36 @@ class StepShape:
     padded_blocks: int  # M bucket (blocks per sequence)
 
 
-def step_shape(schedule: Schedule, config: EngineConfig) -> StepShape:
-    """The padded (T, B, M) the engine runs `schedule` at, with the real counts beside them."""
+def step_shape(schedule: Schedule, config: EngineConfig, token_buckets: Sequence[int]) -> StepShape:
+    """The padded (T, B, M) the engine runs `schedule` at (`step.padded_shape`, the engine's own
+    padding), with the real counts beside them. `token_buckets`: the engine's
+    `Engine.token_buckets`."""
     seqs = schedule.seqs
-    rows = sum(len(s.sample_seq_ids) for s in seqs)
+    t, b, m = padded_shape(schedule, config, token_buckets)
     return StepShape(
         num_tokens=schedule.num_batched_tokens,
         num_seqs=len(seqs),
         context_tokens=sum(s.start_pos + len(s.token_ids) for s in seqs),
-        padded_tokens=bucket(schedule.num_batched_tokens, config.min_token_bucket),
-        padded_seqs=bucket(max(len(seqs), rows), config.min_seq_bucket),
-        padded_blocks=bucket(max(len(s.block_table) for s in seqs), config.min_block_bucket),
+        padded_tokens=t,
+        padded_seqs=b,
+        padded_blocks=m,
+    )
+
+
+def config_token_buckets(config: EngineConfig) -> tuple[int, ...]:
+    """The token buckets an engine of `config` pads T to, where the config alone fixes them
+    ("pow2": every power of two from min_token_bucket, as `Engine.__init__`).
+
+    Raises:
+      ValueError: token_buckets="measured": the buckets come from a cost table timed on the
+        engine's machine, so the simulator takes them from that engine (`Engine.token_buckets`).
+    """
+    if config.token_buckets == "pow2":
+        return (bucket(config.min_token_bucket),)
+    raise ValueError(
+        f"EngineConfig.token_buckets={config.token_buckets!r}: the buckets are measured when an "
+        "engine is built, so pass that engine's: Simulator(config, model, "
+        "token_buckets=engine.token_buckets); or simulate token_buckets='pow2'"
     )
 
 
@@ -95,6 +122,81 @@ class LinearStepTime:
 
     def __call__(self, shape: StepShape) -> float:
         return float(self.features(shape) @ np.array([self.c0, self.c1, self.c2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStepTime:
+    """t = a[T] + c_seq * num_seqs + c_ctx * context_tokens (seconds); a[T] per padded T bucket.
+
+    Why not `LinearStepTime` on a CPU: a step's time is not linear in its padded T across the
+    engine's buckets. Small products run from cache and their dispatch hides the cost of their
+    rows (the measured buckets exist because T = 1, 2 and 4 cost nearly alike: `buckets.py`),
+    while from some T on a step's GEMMs leave the cache and grow with T, so one slope through all
+    buckets overprices decode steps and underprices prefill steps or the reverse. Each bucket gets
+    its own base time a[T] instead, measured at calibration (the engine compiles one program per
+    bucket, so steps of a bucket share their device work), plus two terms that vary within a
+    bucket: c_seq for per-sequence host work (metadata, sampling rows) and c_ctx for the context
+    each step's attention reads. A bucket calibration never saw is interpolated linearly in T
+    between its neighbours (above the largest: proportional to T).
+    """
+
+    base: tuple[tuple[int, float], ...]  # (padded T, seconds), increasing T
+    c_seq: float
+    c_ctx: float
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepShape, float]]) -> TableStepTime:
+        """From `(shape, measured seconds)` pairs: c_seq and c_ctx by least squares beside one
+        intercept per bucket (clipped at 0), each a[T] the median residual of its steps; steps
+        off the fit by more than 5 median absolute errors (a shared machine's busy spells) are
+        dropped and the fit repeated, a few times at most.
+
+        Raises:
+          ValueError: fewer than 3 samples, or a non-finite or negative time.
+        """
+        if len(samples) < 3:
+            raise ValueError(f"TableStepTime.fit needs >= 3 measured steps, got {len(samples)}")
+        y = np.array([t for _, t in samples], np.float64)  # [N]
+        if not np.all(np.isfinite(y)) or np.any(y < 0):
+            raise ValueError(f"TableStepTime.fit: step times must be finite and >= 0, got {y}")
+        ts = sorted({s.padded_tokens for s, _ in samples})
+        col = {t: i for i, t in enumerate(ts)}
+        onehot = np.zeros((len(samples), len(ts)))  # [N, buckets]
+        onehot[np.arange(len(samples)), [col[s.padded_tokens] for s, _ in samples]] = 1.0
+        x = np.array([[s.num_seqs, s.context_tokens] for s, _ in samples], np.float64)  # [N, 2]
+        keep = np.ones(len(samples), bool)  # steps not (yet) judged spikes
+        for _ in range(4):  # fit, drop the steps far off it (a busy spell), refit
+            a = np.concatenate([onehot, x], 1)[keep]
+            coef, *_ = np.linalg.lstsq(a, y[keep], rcond=None)
+            slopes = np.maximum(coef[len(ts) :], 0.0)
+            resid = y - x @ slopes
+            base = np.zeros(len(ts))  # [buckets]
+            for j in range(len(ts)):
+                inb = onehot[:, j] == 1
+                base[j] = np.median(resid[inb & keep] if np.any(inb & keep) else resid[inb])
+            err = resid - onehot @ base  # [N]
+            mad = np.median(np.abs(err[keep]))
+            spikes = np.abs(err) > 5 * mad + 1e-9 * np.max(np.abs(y))
+            if not np.any(spikes & keep) or np.sum(keep & ~spikes) < 3:
+                break
+            keep &= ~spikes
+        base = tuple((t, max(float(b), 0.0)) for t, b in zip(ts, base))
+        return cls(base, float(slopes[0]), float(slopes[1]))
+
+    def base_time(self, padded_tokens: int) -> float:
+        """a[T]; linear in T between calibrated buckets, proportional to T above the largest."""
+        ts = [t for t, _ in self.base]
+        a = [v for _, v in self.base]
+        if padded_tokens > ts[-1]:
+            return a[-1] * padded_tokens / ts[-1]
+        return float(np.interp(padded_tokens, ts, a))
+
+    def __call__(self, shape: StepShape) -> float:
+        return (
+            self.base_time(shape.padded_tokens)
+            + self.c_seq * shape.num_seqs
+            + self.c_ctx * shape.context_tokens
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +279,29 @@ class Simulator:
     Args:
       config: the engine config simulated (pool, limits, buckets; backend and dtypes unused).
       step_time: StepShape -> seconds (`LinearStepTime`, `RooflineStepTime`, or any callable).
+      token_buckets: the T buckets steps are padded to: the simulated engine's
+        `Engine.token_buckets` (with token_buckets="measured" they come from a cost table timed
+        on its machine); None: `config_token_buckets(config)` (a "pow2" config only).
     """
 
-    def __init__(self, config: EngineConfig, step_time: Callable[[StepShape], float]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        step_time: Callable[[StepShape], float],
+        token_buckets: Sequence[int] | None = None,
+    ):
+        if token_buckets is None:
+            token_buckets = config_token_buckets(config)
+        token_buckets = tuple(token_buckets)
+        pow2 = all(isinstance(b, int) and b >= 1 and not b & (b - 1) for b in token_buckets)
+        if not token_buckets or not pow2 or list(token_buckets) != sorted(set(token_buckets)):
+            raise ValueError(
+                f"token_buckets={token_buckets!r}: expected increasing powers of two >= 1 "
+                "(an engine's Engine.token_buckets)"
+            )
         self.config = config
         self.step_time = step_time
+        self.token_buckets = token_buckets
 
     def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
         """Replays `requests` (any order; by arrival) to completion on a virtual clock.
@@ -215,7 +335,7 @@ class Simulator:
                 if not schedule.preempted_seq_ids:
                     raise RuntimeError("the scheduler cannot make progress on the waiting requests")
                 continue
-            shape = step_shape(schedule, cfg)
+            shape = step_shape(schedule, cfg, self.token_buckets)
             dt = float(self.step_time(shape))
             clock[0] += dt
             steps.append((shape, dt))
