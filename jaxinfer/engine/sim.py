@@ -268,9 +268,98 @@ class SimResult:
     metrics: MetricsCollector
     steps: list[tuple[StepShape, float]]
     num_preemptions: int
+    first_scheduled: dict[Hashable, float] = dataclasses.field(default_factory=dict)  # step start
 
     def summary(self, slo: SLO | None = None) -> MetricsSummary:
         return self.metrics.summary(slo)
+
+
+class _Pool:
+    """One simulated engine: scheduler, allocator and metrics on a clock that a step-time
+    model advances (`step`); the callers add requests and move the clock over idle spells."""
+
+    def __init__(self, config: EngineConfig, step_time, token_buckets: tuple[int, ...]):
+        self.config, self.step_time, self.token_buckets = config, step_time, token_buckets
+        self.allocator = BlockAllocator(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
+        self.clock = 0.0
+        self.metrics = MetricsCollector(lambda: self.clock)
+        self.steps: list[tuple[StepShape, float]] = []
+        self.first_scheduled: dict[Hashable, float] = {}  # request -> start of its first step
+        self.carry: dict[Hashable, int] = {}  # tokens a request's first output also brings
+
+    def add(self, rid, prompt, max_tokens: int, n: int, arrival: float, scheduled_at: float):
+        """Queues a request; `arrival` is its metrics arrival, `scheduled_at` the scheduler's."""
+        self.metrics.on_arrival(rid, len(prompt), arrival)
+        sp = _SimSampling(int(max_tokens), int(n))
+        self.scheduler.add_request(Request(rid, list(prompt), sp, scheduled_at))
+
+    def step(self, max_steps: int) -> Schedule:
+        """Schedules and, unless the schedule is empty, runs one priced step."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            self.scheduler.update(schedule, {})
+            return schedule
+        shape = step_shape(schedule, self.config, self.token_buckets)
+        dt = float(self.step_time(shape))
+        for s in schedule.seqs:
+            self.first_scheduled.setdefault(s.request_id, self.clock)
+        self.clock += dt
+        self.steps.append((shape, dt))
+        if len(self.steps) > max_steps:
+            raise RuntimeError(f"simulation passed max_steps={max_steps}")
+        sampled = {sid: [0] for s in schedule.seqs for sid in s.sample_seq_ids}
+        outs = self.scheduler.update(schedule, sampled)
+        per_request: dict[Hashable, int] = {}
+        for o in outs:
+            per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
+        metrics = self.metrics
+        for rid, n in per_request.items():
+            metrics.on_tokens(rid, n + self.carry.pop(rid, 0))
+        for o in outs:
+            if o.request_finished and metrics.requests[o.request_id].finish_time is None:
+                metrics.on_finish(o.request_id)
+        usage = self.allocator.usage()
+        metrics.on_step(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=schedule.num_batched_tokens,
+            num_preempted=len(schedule.preempted_seq_ids),
+            kv_used_blocks=usage.num_used_blocks,
+            kv_total_blocks=usage.num_total_blocks,
+            kv_filled_slots=usage.num_filled_slots,
+            block_size=usage.block_size,
+            prefix_cache_hits=self.allocator.prefix_cache_hits,
+            prefix_cache_queries=self.allocator.prefix_cache_queries,
+        )
+        return schedule
+
+    def result(self) -> SimResult:
+        return SimResult(
+            self.metrics, self.steps, self.scheduler.num_preemptions, self.first_scheduled
+        )
+
+
+def check_token_buckets(config: EngineConfig, token_buckets: Sequence[int] | None) -> tuple:
+    """`token_buckets` validated (None: `config_token_buckets(config)`)."""
+    if token_buckets is None:
+        token_buckets = config_token_buckets(config)
+    token_buckets = tuple(token_buckets)
+    pow2 = all(isinstance(b, int) and b >= 1 and not b & (b - 1) for b in token_buckets)
+    if not token_buckets or not pow2 or list(token_buckets) != sorted(set(token_buckets)):
+        raise ValueError(
+            f"token_buckets={token_buckets!r}: expected increasing powers of two >= 1 "
+            "(an engine's Engine.token_buckets)"
+        )
+    return token_buckets
+
+
+def request_ids(requests: Sequence[SimRequest]) -> list[tuple[Hashable, SimRequest]]:
+    """(id, request) by arrival (ties: given order); a request without an id gets its index."""
+    pending = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
+    return [(r.request_id if r.request_id is not None else i, r) for i, r in pending]
 
 
 class Simulator:
@@ -290,18 +379,9 @@ class Simulator:
         step_time: Callable[[StepShape], float],
         token_buckets: Sequence[int] | None = None,
     ):
-        if token_buckets is None:
-            token_buckets = config_token_buckets(config)
-        token_buckets = tuple(token_buckets)
-        pow2 = all(isinstance(b, int) and b >= 1 and not b & (b - 1) for b in token_buckets)
-        if not token_buckets or not pow2 or list(token_buckets) != sorted(set(token_buckets)):
-            raise ValueError(
-                f"token_buckets={token_buckets!r}: expected increasing powers of two >= 1 "
-                "(an engine's Engine.token_buckets)"
-            )
         self.config = config
         self.step_time = step_time
-        self.token_buckets = token_buckets
+        self.token_buckets = check_token_buckets(config, token_buckets)
 
     def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
         """Replays `requests` (any order; by arrival) to completion on a virtual clock.
@@ -310,61 +390,23 @@ class Simulator:
           ValueError: a request the engine would refuse at admission (the scheduler's checks).
           RuntimeError: no progress (nothing schedulable, no arrival left) or `max_steps` passed.
         """
-        cfg = self.config
-        allocator = BlockAllocator(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        scheduler = Scheduler(cfg.scheduler_config(), allocator)
-        clock = [0.0]
-        metrics = MetricsCollector(lambda: clock[0])
-        pending = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
-        pending = [(r.request_id if r.request_id is not None else i, r) for i, r in pending]
-        steps: list[tuple[StepShape, float]] = []
+        pool = _Pool(self.config, self.step_time, self.token_buckets)
+        pending = request_ids(requests)
         head = 0
-        while head < len(pending) or scheduler.has_unfinished():
-            while head < len(pending) and pending[head][1].arrival_s <= clock[0]:
+        while head < len(pending) or pool.scheduler.has_unfinished():
+            while head < len(pending) and pending[head][1].arrival_s <= pool.clock:
                 rid, r = pending[head]
-                sp = _SimSampling(int(r.max_tokens), int(r.n))
-                metrics.on_arrival(rid, len(r.prompt_token_ids), r.arrival_s)
-                scheduler.add_request(Request(rid, list(r.prompt_token_ids), sp, r.arrival_s))
+                t = r.arrival_s
+                pool.add(rid, r.prompt_token_ids, r.max_tokens, r.n, t, t)
                 head += 1
-            schedule = scheduler.schedule()
+            schedule = pool.step(max_steps)
             if schedule.is_empty:
-                scheduler.update(schedule, {})
                 if head < len(pending) and not schedule.preempted_seq_ids:
-                    clock[0] = max(clock[0], pending[head][1].arrival_s)  # idle until arrival
+                    pool.clock = max(pool.clock, pending[head][1].arrival_s)  # idle until arrival
                     continue
                 if not schedule.preempted_seq_ids:
                     raise RuntimeError("the scheduler cannot make progress on the waiting requests")
-                continue
-            shape = step_shape(schedule, cfg, self.token_buckets)
-            dt = float(self.step_time(shape))
-            clock[0] += dt
-            steps.append((shape, dt))
-            if len(steps) > max_steps:
-                raise RuntimeError(f"simulation passed max_steps={max_steps}")
-            sampled = {sid: [0] for s in schedule.seqs for sid in s.sample_seq_ids}
-            outs = scheduler.update(schedule, sampled)
-            per_request: dict[Hashable, int] = {}
-            for o in outs:
-                per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
-            for rid, n in per_request.items():
-                metrics.on_tokens(rid, n)
-            for o in outs:
-                if o.request_finished and metrics.requests[o.request_id].finish_time is None:
-                    metrics.on_finish(o.request_id)
-            usage = allocator.usage()
-            metrics.on_step(
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
-                num_batched_tokens=schedule.num_batched_tokens,
-                num_preempted=len(schedule.preempted_seq_ids),
-                kv_used_blocks=usage.num_used_blocks,
-                kv_total_blocks=usage.num_total_blocks,
-                kv_filled_slots=usage.num_filled_slots,
-                block_size=usage.block_size,
-                prefix_cache_hits=allocator.prefix_cache_hits,
-                prefix_cache_queries=allocator.prefix_cache_queries,
-            )
-        return SimResult(metrics, steps, scheduler.num_preemptions)
+        return pool.result()
 
 
 def poisson_workload(
