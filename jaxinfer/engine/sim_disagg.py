@@ -56,6 +56,20 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int | None = None) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
 
 
+def merged(*collectors: MetricsCollector) -> MetricsCollector:
+    """One collector holding the requests of several (distinct ids): arrivals, token events and
+    finishes at their recorded times (the view of a client of replicas or of two pools)."""
+    out = MetricsCollector(lambda: float("nan"))  # every event carries its time
+    for mc in collectors:
+        for rid, rec in mc.requests.items():
+            out.on_arrival(rid, rec.num_prompt_tokens, rec.arrival_time)
+            for t, n in rec.token_events:
+                out.on_tokens(rid, n, t)
+            if rec.finish_time is not None:
+                out.on_finish(rid, rec.finish_time, aborted=rec.aborted)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class KVLink:
     """The prefill -> decode link: a transfer of n bytes takes latency_s + n / bandwidth."""
@@ -168,7 +182,7 @@ class DisaggSimulator:
         for rid, rec in dec.metrics.requests.items():
             for t, n in rec.token_events:
                 client.on_tokens(rid, n, t)
-            client.on_finish(rid, rec.finish_time)
+            client.on_finish(rid, rec.finish_time, aborted=rec.aborted)
         for rid, tm in timings.items():
             if tm.first_token is None:
                 tm.first_token = dec.metrics.requests[rid].token_events[0][0]
