@@ -105,7 +105,13 @@ CASES = {
     "train": [([], None), (["--kd_weight=1.5"], "<= 1.0"), (["--peak_lr=0"], "> 0")],
     "build_corpus": [([], None), (["--min_frequency=0"], "min_frequency")],
     "eval_ppl": [([], None), (["--seq_len=1"], ">= 2")],
-    "sim_h200": [([], None), (["--tp=0"], ">= 1"), (["--rates=0"], "> 0")],
+    "sim_h200": [
+        ([], None),
+        (["--tp=0"], ">= 1"),
+        (["--rates=0"], "> 0"),
+        (["--link_gbs=0"], "> 0"),
+        (["--link_latency_us=-1"], "not a non-negative number"),
+    ],
     "sim_check": [
         ([], None),
         (["--quick", "--model=smollm2-135m", "--repeats=1"], None),

@@ -22,7 +22,8 @@ alone: `config_token_buckets`); B and M to powers of two. A step's cost follows 
 shape, so the step-time models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least
 squares), `TableStepTime` (a base time per T bucket plus per-sequence and context terms: a CPU's
 step time is not linear in T across buckets) and `RooflineStepTime` (max of FLOPs over peak and
-bytes over bandwidth, per TP shard, for machines not here, e.g. an H200).
+bytes over bandwidth, per TP shard, for machines not here, e.g. an H200). A prefill pool and a
+decode pool joined by a KV link: `sim_disagg.py`.
 """
 
 from __future__ import annotations
