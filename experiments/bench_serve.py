@@ -75,6 +75,7 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 1, "Runs per rate of each path, HTTP and in-process interleaved, their order "
     "alternating; the table adds the medians of their paired differences.", lower_bound=1,
 )  # fmt: skip
+_TEXT: list = []  # serve_bench's prompt_text for --prompts=code, set by main
 _SOAK = flags.DEFINE_boolean("soak", False, "Run the soak instead of the rate sweep.")
 _SOAK_REQUESTS = flags.DEFINE_integer("soak_requests", 1000, "Soak requests.", lower_bound=1)
 _SOAK_RATE = flags.DEFINE_float(
@@ -266,7 +267,7 @@ def summarize(results: list[Result], slo: SLO | None) -> dict:
 
 def arrivals(name: str, bc: sb.BenchConfig, rate: float, n: int, vocab: int) -> list[sb.Req]:
     """serve_bench's requests; with burstiness != 1, gamma inter-arrival times instead."""
-    reqs = sb.make_requests(name, n, bc.max_len, vocab, rate, bc.seed)
+    reqs = sb.make_requests(name, n, bc.max_len, vocab, rate, bc.seed, _TEXT[0] if _TEXT else None)
     b = _BURSTINESS.value
     if b == 1.0 or not math.isfinite(rate):
         return reqs
@@ -531,6 +532,9 @@ def main(argv):
     for name in bc.workloads:  # unknown names fail before the server starts
         sb.make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
     cfg_params = ji.load_checkpoint(model_path) if (in_process or not attach) else None
+    text = sb.prompt_text(model_path, bc)
+    if text is not None:
+        _TEXT.append(text)
     vocab = cfg_params[0].vocab_size if cfg_params else 4096
     max_waiting = _SOAK_MAX_WAITING.value if _SOAK.value else _MAX_WAITING.value
     # SIGTERM / SIGINT end the run through the `finally` below, which stops our server.

@@ -10,8 +10,9 @@ greedy requests whose prompts repeat a phrase (so n-gram drafts are sometimes ac
              decode-only steps, the first sample of a shape dropped: it compiles) and the
              acceptance counters α_j, as `warm_up` and serving do;
   predict    B · E[tokens | γ, α] / t(γ, B), `GammaController`'s formula (γ = 0: B / t(0, B));
-  measure    fresh requests of the same shape; committed tokens over the wall time of the
-             decode-only `Engine.step()` calls (host work included, which the table leaves out).
+  measure    fresh requests of the same shape, batch after batch until --min_seconds of timed
+             steps; committed tokens over the wall time of the decode-only, full-batch
+             `Engine.step()` calls (the table times the same whole step).
 Cells are visited once per round over --rounds interleaved rounds; the table gives the median
 error and its min-max spread, with the 1-minute load average.
 """
@@ -34,6 +35,11 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Decoding requ
 _GAMMAS = flags.DEFINE_list("gammas", ["0", "1", "2", "4", "6"], "Fixed γ per cell.")
 _NEW = flags.DEFINE_integer("new_tokens", 24, "Tokens per request.", lower_bound=4)
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds.", lower_bound=1)
+_MIN_SECONDS = flags.DEFINE_float(
+    "min_seconds", 0.5, "A cell's measurement serves fresh batches until its timed decode steps "
+    "add up to this many seconds (a tiny model's 24-token run lasts ~40 ms: one descheduled "
+    "time slice would be a third of it).", lower_bound=0.0,
+)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model_check", "Where results.json goes.")
 _CONFIG = common.config_flag()
 
@@ -118,8 +124,13 @@ def main(argv):
                 ctl = e.controller
                 t = ctl.step_time(g, b)
                 pred = b * ctl.expected_tokens(g) / t if t else float("nan")
-                seed += 1
-                tokens, seconds = serve_timed(e, prompts(cfg.vocab_size, b, seed), n)
+                tokens, seconds = 0, 0.0
+                while seconds <= _MIN_SECONDS.value:
+                    seed += 1
+                    k, dt = serve_timed(e, prompts(cfg.vocab_size, b, seed), n)
+                    tokens, seconds = tokens + k, seconds + dt
+                    if dt == 0.0:  # no full decode-only step: more batches cannot help
+                        break
                 meas = tokens / seconds if seconds else float("nan")
                 results[(b, g)].append((pred, meas))
         loads.append(os.getloadavg()[0])

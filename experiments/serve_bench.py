@@ -30,6 +30,7 @@ table), goodput_vs_rate.png and latency_cdf.png.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -42,9 +43,11 @@ from absl import app, flags, logging
 
 import jaxinfer as ji
 from experiments import common, flag_checks
+from jaxinfer import data
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.engine import SLO, MetricsCollector, workload
 from jaxinfer.engine.cycles import warm_up
+from jaxinfer.engine import speculation
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
 from jaxinfer.memory import tree_bytes
@@ -97,6 +100,10 @@ _DRAFTER = flags.DEFINE_enum(
     "drafter", "ngram", ["ngram", "model"], "Drafter of --spec ('model': the shipped draft)."
 )
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ cap of --spec engines.", lower_bound=1)
+_PROMPTS = flags.DEFINE_enum(
+    "prompts", "random", ["random", "code"], "Prompt content: random ids, or windows of the "
+    "shipped test split (Python source) in the model's tokenizer, which drafters can predict.",
+)  # fmt: skip
 WORKLOADS = workload.WORKLOADS
 flag_checks.choice_list(_WORKLOADS, WORKLOADS)
 flag_checks.choice_list(_SYSTEMS, ("static", "no_chunking", "no_prefix", "engine"))
@@ -107,6 +114,7 @@ flag_checks.number(_SLO_TPOT, above=0.0)
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
 _DRAFT_MODEL: list = []  # (cfg, params) of the model drafter, set by main
+_TABLES: dict = {}  # system -> the GammaController that `warm_spec` calibrated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,7 @@ class BenchConfig:
     spec: tuple[str, ...] = ()  # speculative engines "spec_<γ | auto>"
     drafter: str = "ngram"
     max_gamma: int = 4
+    prompts: str = "random"  # or "code": windows of the test split (`prompt_text`)
 
     @property
     def all_systems(self) -> tuple[str, ...]:
@@ -178,10 +187,10 @@ def engine_config(bc: BenchConfig, system: str) -> ji.EngineConfig:
     )
 
 
-def run_engine(cfg, params, ecfg, reqs: list[Req], slo: SLO | None) -> dict:
+def run_engine(cfg, params, ecfg, reqs: list[Req], slo: SLO | None, prepare=None) -> dict:
     """Serves the requests in real time (`jaxinfer.engine.workload.run_engine`); adds the
     achieved weight GB/s (weight bytes read per step x steps / duration)."""
-    out = workload.run_engine(cfg, params, ecfg, reqs, slo)
+    out = workload.run_engine(cfg, params, ecfg, reqs, slo, prepare)
     out["weight_gbs"] = tree_bytes(params) * out["num_steps"] / out["summary"]["duration_s"] / 1e9
     return out
 
@@ -288,7 +297,19 @@ def resolve_config(description: str) -> BenchConfig:
         spec=tuple(_SPEC.value),
         drafter=_DRAFTER.value,
         max_gamma=_MAX_GAMMA.value,
+        prompts=_PROMPTS.value,
     )
+
+
+def prompt_text(model_path: str | None, bc: BenchConfig) -> np.ndarray | None:
+    """The token stream prompts are cut from: None for random ids; for "code", the shipped test
+    split in the model's own tokenizer (documents joined, no special tokens)."""
+    if bc.prompts == "random":
+        return None
+    if model_path is None:
+        raise ValueError("--prompts=code needs a model with a tokenizer (--model)")
+    tok = ji.load_tokenizer(model_path)
+    return data.tokenize_documents(tok, data.load_split("test"), add_bos=False, add_eos=False)
 
 
 def derive_slo(cfg, params, bc: BenchConfig) -> SLO:
@@ -301,23 +322,80 @@ def derive_slo(cfg, params, bc: BenchConfig) -> SLO:
     return SLO(bc.slo_ttft_s or 8 * s["ttft"]["p50"], bc.slo_tpot_s or 4 * s["tpot"]["p50"])
 
 
-def bench_workload(cfg, params, bc: BenchConfig, name: str, slo: SLO) -> dict:
+def engine_compiles() -> int:
+    """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror)."""
+    fns = (engine_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
+           speculation._mirror)  # fmt: skip
+    return sum(f._cache_size() for f in fns)
+
+
+def warm_spec(cfg, params, bc: BenchConfig, text=None) -> None:
+    """Compiles what a speculative engine meets while serving: prefill buckets, decodes at every
+    γ and batch size (`warm_up`), then one burst of each workload (another seed than the timed
+    requests) for the mixed prefill + verify steps and the n-gram history lengths of real runs."""
+    for system in bc.all_systems:
+        if not system.startswith("spec_"):
+            continue
+        ecfg = engine_config(bc, system)
+        warm_engine(cfg, params, ecfg, bc.max_len)
+        sizes = [1 << k for k in range(min(bc.max_num_seqs, bc.num_requests).bit_length())]
+        warmed = ji.Engine(cfg, params, ecfg)
+        warm_up(warmed, batch_sizes=tuple(sizes))
+        _TABLES[system] = warmed.controller
+        for name in bc.workloads:
+            burst = make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, math.inf,
+                                  bc.seed + 1, text)  # fmt: skip
+            run_engine(cfg, params, ecfg, burst, None, _calibrated(system))
+
+
+def _calibrated(system: str):
+    """`run_engine`'s prepare for a speculative system: its fresh engine's γ controller starts
+    from the step-time table `warm_up` measured (a server measures it once at start-up; without
+    it every run would spend its first steps exploring each (γ, batch) cell)."""
+    table = _TABLES.get(system)
+    if table is None:
+        return None
+
+    def prepare(engine):
+        ctl = engine.controller
+        ctl.times = {k: collections.deque(v, maxlen=v.maxlen) for k, v in table.times.items()}
+        ctl.seen = collections.Counter(table.seen)
+
+    return prepare
+
+
+def _run_compiled(cfg, params, bc: BenchConfig, system: str, reqs, slo, attempts: int = 5):
+    """`run_engine` until a run compiles nothing (at most `attempts` runs). A speculative step's
+    shape combines T, B, M with the step's γ and the n-gram history length, more than warm-up
+    can enumerate; a run that compiled one (seconds, in a run of seconds) is served again on a
+    fresh engine and the first is dropped. `compiles` and `attempts` say what happened."""
+    for attempt in range(1, attempts + 1):
+        before = engine_compiles()
+        out = run_engine(cfg, params, engine_config(bc, system), reqs, slo, _calibrated(system))
+        out["compiles"], out["attempts"] = engine_compiles() - before, attempt
+        if not out["compiles"]:
+            break
+        logging.info("%s compiled %d shapes during the run: served again", system, out["compiles"])
+    return out
+
+
+def bench_workload(cfg, params, bc: BenchConfig, name: str, slo: SLO, text=None) -> dict:
     n, vocab = bc.num_requests, cfg.vocab_size
     burst = run_engine(
         cfg, params, engine_config(bc, "engine"),
-        make_requests(name, n, bc.max_len, vocab, math.inf, bc.seed), None,
+        make_requests(name, n, bc.max_len, vocab, math.inf, bc.seed, text), None,
     )  # fmt: skip
     capacity = burst["summary"]["request_throughput"]
     rates = bc.rates or tuple(round(f * capacity, 3) for f in bc.rate_fractions)
     logging.info("%s: engine capacity %.2f req/s; rates %s", name, capacity, rates)
     runs = {s: [] for s in bc.all_systems}
     for rate in rates:
-        reqs = make_requests(name, n, bc.max_len, vocab, rate, bc.seed)
+        reqs = make_requests(name, n, bc.max_len, vocab, rate, bc.seed, text)
         for system in bc.all_systems:
             if system == "static":
                 out = run_static(cfg, params, bc, reqs, slo)
             else:
-                out = run_engine(cfg, params, engine_config(bc, system), reqs, slo)
+                out = _run_compiled(cfg, params, bc, system, reqs, slo)
             out["rate"] = rate
             runs[system].append(out)
             m = out["summary"]
@@ -450,16 +528,12 @@ def main(argv):
         _DRAFT_MODEL.append(ji.load_checkpoint(ji.models.path("draft")))
     warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
     warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
-    for system in bc.all_systems:
-        if system.startswith("spec_"):  # prefill buckets, then decodes at every γ and batch
-            ecfg = engine_config(bc, system)
-            warm_engine(cfg, params, ecfg, bc.max_len)
-            sizes = [1 << k for k in range(min(bc.max_num_seqs, bc.num_requests).bit_length())]
-            warm_up(ji.Engine(cfg, params, ecfg), batch_sizes=tuple(sizes))
-    engine_compiles = engine_step._cache_size()
+    text = prompt_text(None if description.startswith("random") else description, bc)
+    warm_spec(cfg, params, bc, text)
+    compiles = engine_compiles()
     slo = derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
-    results = {name: bench_workload(cfg, params, bc, name, slo) for name in bc.workloads}
+    results = {name: bench_workload(cfg, params, bc, name, slo, text) for name in bc.workloads}
     command = "python -m experiments.serve_bench " + " ".join(sys.argv[1:])
     pngs = plot(results, workdir)
     with open(os.path.join(workdir, "serve_bench.md"), "w") as f:
@@ -469,10 +543,11 @@ def main(argv):
         "slo": dataclasses.asdict(slo),
         "device": str(jax.devices()[0]),
         "wall_s": time.perf_counter() - t0,
-        # Compilations: the engines' step after warm-up must be 0 (timed runs compile nothing);
-        # static batches that compiled were timed on a second, compiled call.
-        "engine_compiles_warmup": engine_compiles,
-        "engine_compiles_timed": engine_step._cache_size() - engine_compiles,
+        # Compilations of the engines' jitted functions after warm-up should be 0 (timed runs
+        # compile nothing; each run's own count is its "compiles"); static batches that compiled
+        # were timed on a second, compiled call.
+        "engine_compiles_warmup": compiles,
+        "engine_compiles_timed": engine_compiles() - compiles,
         "static_compiles": _generate_core._cache_size(),
         "workloads": results,
         "plots": [os.path.basename(p) for p in pngs],

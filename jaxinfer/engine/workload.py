@@ -4,7 +4,8 @@
     warm_engine(cfg, params, ecfg, max_len=512)      # compiles every token bucket T first
     out = run_engine(cfg, params, ecfg, reqs, slo)   # {"summary": ..., "ttft": [..], "tpot": [..]}
 
-Workloads (seeded; token ids are random, only lengths matter):
+Workloads (seeded; token ids are random, only lengths matter, unless `text` gives the prompts'
+content, see `make_requests`):
   sharegpt       ShareGPT-like lognormal prompt and output lengths, scaled to max_len;
   shared_prefix  every prompt starts with one system prompt of max_len/4 tokens;
   long_prompt    mostly short chats, one request in five a prompt of ~0.7 max_len.
@@ -20,6 +21,7 @@ import dataclasses
 import math
 import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,19 +74,51 @@ def make_lengths(name: str, n: int, max_len: int, rng) -> list[tuple[int, int, i
 
 
 def make_requests(
-    name: str, n: int, max_len: int, vocab: int, rate: float, seed: int
+    name: str,
+    n: int,
+    max_len: int,
+    vocab: int,
+    rate: float,
+    seed: int,
+    text: np.ndarray | None = None,
 ) -> list[TimedRequest]:
-    """Seeded requests of workload `name` with Poisson arrivals at `rate` req/s (inf: all at 0)."""
+    """Seeded requests of workload `name` with Poisson arrivals at `rate` req/s (inf: all at 0).
+
+    Prompt ids are random in [3, vocab), or, with `text` (a flat stream of token ids, e.g. a
+    corpus split tokenized with the model's tokenizer), windows of it at seeded offsets: the
+    same lengths and shared prefixes, but content a drafter can predict (random ids give the
+    n-gram drafter nothing to match and a model drafter nothing to agree on).
+    """
     rng = np.random.RandomState([seed, zlib.crc32(name.encode())])
-    shared = rng.randint(3, vocab, max_len).tolist()  # the system prompt (a prefix of it)
-    lengths = make_lengths(name, n, max_len, rng)
+    shared = rng.randint(3, vocab, max_len).tolist()  # the random system prompt (a prefix of it)
+    lengths = make_lengths(name, n, max_len, rng)  # drawn after it in both modes: same lengths
+    if text is None:
+        prompts = [shared[:s] + rng.randint(3, vocab, p - s).tolist() for s, p, _ in lengths]
+    else:
+        text = _check_text(text, vocab, max_len)
+        starts = [rng.randint(max_len, len(text) - (p - s) + 1) for s, p, _ in lengths]
+        prompts = [
+            text[:s].tolist() + text[b : b + p - s].tolist() for (s, p, _), b in zip(lengths, starts)
+        ]  # the stream's first max_len ids are the shared system prompt
     arrival_rng = np.random.RandomState([seed, 7, int(rate * 1000) if math.isfinite(rate) else 0])
     gaps = arrival_rng.exponential(1.0 / rate, n) if math.isfinite(rate) else np.zeros(n)
     arrivals = np.cumsum(gaps) - gaps[0]
     return [
-        TimedRequest(float(t), shared[:s] + rng.randint(3, vocab, p - s).tolist(), int(o))
-        for t, (s, p, o) in zip(arrivals, lengths)
+        TimedRequest(float(t), prompt, int(o))
+        for t, prompt, (_, _, o) in zip(arrivals, prompts, lengths)
     ]
+
+
+def _check_text(text, vocab: int, max_len: int) -> np.ndarray:
+    text = np.asarray(text)
+    if text.ndim != 1 or len(text) < 2 * max_len or not np.issubdtype(text.dtype, np.integer):
+        raise ValueError(
+            f"text: expected a 1-D stream of >= 2 * max_len = {2 * max_len} token ids, got "
+            f"{text.dtype} of shape {text.shape}"
+        )
+    if text.min() < 0 or text.max() >= vocab:
+        raise ValueError(f"text: ids must be in [0, {vocab}), got [{text.min()}, {text.max()}]")
+    return text
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -132,15 +166,25 @@ def summarize(mc: MetricsCollector, slo: SLO | None) -> dict:
 
 
 def run_engine(
-    cfg: ModelConfig, params: dict, ecfg: EngineConfig, reqs: list[TimedRequest], slo: SLO | None
+    cfg: ModelConfig,
+    params: dict,
+    ecfg: EngineConfig,
+    reqs: list[TimedRequest],
+    slo: SLO | None,
+    prepare: Callable[[Engine], None] | None = None,
 ) -> dict:
     """Serves the requests on a fresh engine in real time.
+
+    `prepare(engine)`, when given, runs first (e.g. hands a γ controller the step-time table a
+    warm-up measured, as a long-running server's would hold).
 
     Returns:
       `summarize`'s dict plus kv_waste, peak_concurrent, num_steps and, with speculation,
       the acceptance counters (proposed, accepted draft tokens).
     """
     engine = Engine(cfg, params, ecfg)
+    if prepare is not None:
+        prepare(engine)
     serve(engine, reqs)
     out = summarize(engine.metrics_collector, slo)
     m = out["summary"]
