@@ -6,7 +6,8 @@ r"""The simulator against the measured engine: predicted vs measured TTFT p50, T
 
 Workloads, request lengths, the engine's settings and the SLO are serve_bench.py's (its flags are
 ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_num_seqs,
---chunk_budget, --rates / --rate_fractions, --seed, --slo_ttft_s / --slo_tpot_s, --quick;
+--chunk_budget, --rates / --rate_fractions, --seed, --slo_ttft_s / --slo_tpot_s, --prompts,
+--quick;
 --model also takes a `ji.models` name). Per workload:
   calibrate  requests of --calib_seed (never the measured ones) served in real time twice, as a
              burst (its request throughput is the engine's capacity) and at half of it; each
@@ -14,6 +15,8 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
              so a step's price includes the driver's work between steps (adding requests); the
              step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
              prediction) and `LinearStepTime` (reported beside it, to show why it is not used);
+             and the median lateness of the driver's wake-ups for arrivals after an idle sleep
+             (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps);
   measure    at each rate (default 0.25, 0.5, 0.9 of capacity) the requests of --seed served in
              real time by a fresh engine (`serve_bench.run_engine`), --repeats times, the repeats
              interleaved over the rates (a busy spell of a shared machine hits every rate);
@@ -57,9 +60,10 @@ DEFAULT_FRACTIONS = (0.25, 0.5, 0.9)
 METRICS = (("ttft_p50", "ttft", "p50"), ("tpot_p50", "tpot", "p50"), ("goodput", "goodput", None))
 
 
-def serve_timed(engine: ji.Engine, reqs: list) -> list[tuple]:
+def serve_timed(engine: ji.Engine, reqs: list, wakes: list | None = None) -> list[tuple]:
     """`workload.serve` (real time), returning each non-empty step's (StepShape, seconds since
-    the end of the previous step or idle wait)."""
+    the end of the previous step or idle wait); appends to `wakes` how late each idle wait
+    ended after the arrival it waited for."""
     samples = []
     t0 = time.perf_counter()
     mark = t0
@@ -80,20 +84,20 @@ def serve_timed(engine: ji.Engine, reqs: list) -> list[tuple]:
         elif i < len(reqs):
             time.sleep(max(0.0, t0 + reqs[i].arrival - time.perf_counter()))
             mark = time.perf_counter()
+            if wakes is not None:
+                wakes.append(max(0.0, mark - (t0 + reqs[i].arrival)))
     return samples
 
 
-def calibrate(cfg, params, ecfg, bc, name: str) -> dict:
+def calibrate(cfg, params, ecfg, bc, name: str, text=None) -> dict:
     """Capacity and fitted step-time models from requests of --calib_seed."""
-    n, seed = bc.num_requests, _CALIB_SEED.value
+    n, seed, vocab = bc.num_requests, _CALIB_SEED.value, cfg.vocab_size
     burst = ji.Engine(cfg, params, ecfg)
-    samples = serve_timed(
-        burst, sb.make_requests(name, n, bc.max_len, cfg.vocab_size, math.inf, seed)
-    )
+    samples = serve_timed(burst, sb.make_requests(name, n, bc.max_len, vocab, math.inf, seed, text))
     capacity = burst.metrics().request_throughput
-    half = ji.Engine(cfg, params, ecfg)
+    half, wakes = ji.Engine(cfg, params, ecfg), []
     samples += serve_timed(
-        half, sb.make_requests(name, n, bc.max_len, cfg.vocab_size, capacity / 2, seed)
+        half, sb.make_requests(name, n, bc.max_len, vocab, capacity / 2, seed, text), wakes
     )
     return {
         "capacity_rps": capacity,
@@ -101,6 +105,7 @@ def calibrate(cfg, params, ecfg, bc, name: str) -> dict:
         "num_samples": len(samples),
         "table": TableStepTime.fit(samples),
         "linear": LinearStepTime.fit(samples),
+        "idle_wake_s": float(np.median(wakes)) if wakes else 0.0,
     }
 
 
@@ -133,15 +138,15 @@ def cell(pred: dict, measured: list[dict], tolerance: float) -> dict:
     return row
 
 
-def check_workload(cfg, params, bc, name: str, slo) -> dict:
+def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
     ecfg = sb.engine_config(bc, "engine")
-    cal = calibrate(cfg, params, ecfg, bc, name)
+    cal = calibrate(cfg, params, ecfg, bc, name, text)
     fractions = bc.rate_fractions if sb._RATE_FRACTIONS.present else DEFAULT_FRACTIONS
     rates = bc.rates or tuple(round(f * cal["capacity_rps"], 3) for f in fractions)
-    logging.info("%s: capacity %.2f req/s, rates %s, %s", name, cal["capacity_rps"], rates,
-                 cal["table"])  # fmt: skip
-    reqs = {r: sb.make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, r, bc.seed)
-            for r in rates}  # fmt: skip
+    logging.info("%s: capacity %.2f req/s, rates %s, idle wake %.2e s, %s", name,
+                 cal["capacity_rps"], rates, cal["idle_wake_s"], cal["table"])  # fmt: skip
+    reqs = {r: sb.make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, r, bc.seed,
+                                text) for r in rates}  # fmt: skip
     measured = {r: [] for r in rates}
     for k in range(_REPEATS.value):  # interleaved: every rate once per round
         for r in rates:
@@ -157,7 +162,9 @@ def check_workload(cfg, params, bc, name: str, slo) -> dict:
                     for i, q in enumerate(reqs[r])]  # fmt: skip
         row = {"rate": r, "fraction": r / cal["capacity_rps"]}
         for model in ("table", "linear"):
-            sim = Simulator(ecfg, cal[model], token_buckets=cal["token_buckets"]).run(sim_reqs)
+            sim = Simulator(
+                ecfg, cal[model], cal["token_buckets"], idle_wake_s=cal["idle_wake_s"]
+            ).run(sim_reqs)
             pred = sim.summary(slo).to_dict()
             row[model] = cell(pred, measured[r], _TOLERANCE.value)
             row[model]["num_steps"] = pred["num_steps"]
@@ -215,11 +222,12 @@ def main(argv):
     common.save_config(workdir, resolved=dataclasses.asdict(bc))
     for name in bc.workloads:  # unknown names fail before any compilation
         sb.make_lengths(name, 1, bc.max_len, np.random.RandomState(0))
+    text = sb.prompt_text(None if description.startswith("random") else description, bc)
     t0 = time.perf_counter()
     sb.warm_engine(cfg, params, sb.engine_config(bc, "engine"), bc.max_len)
     slo = sb.derive_slo(cfg, params, bc)
     logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
-    results = {name: check_workload(cfg, params, bc, name, slo) for name in bc.workloads}
+    results = {name: check_workload(cfg, params, bc, name, slo, text) for name in bc.workloads}
     command = "python -m experiments.sim_check " + " ".join(sys.argv[1:])
     with open(os.path.join(workdir, "sim_check.md"), "w") as f:
         f.write(markdown(bc, slo, results, command))

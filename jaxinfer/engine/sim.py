@@ -372,6 +372,8 @@ class Simulator:
       token_buckets: the T buckets steps are padded to: the simulated engine's
         `Engine.token_buckets` (with token_buckets="measured" they come from a cost table timed
         on its machine); None: `config_token_buckets(config)` (a "pow2" config only).
+      idle_wake_s: how late an idle driver wakes for the next arrival (a real-time driver that
+        sleeps until it, as `workload.serve`, oversleeps); the clock jumps to arrival + this.
     """
 
     def __init__(
@@ -379,10 +381,14 @@ class Simulator:
         config: EngineConfig,
         step_time: Callable[[StepShape], float],
         token_buckets: Sequence[int] | None = None,
+        idle_wake_s: float = 0.0,
     ):
+        if not (isinstance(idle_wake_s, int | float) and 0 <= idle_wake_s < math.inf):
+            raise ValueError(f"idle_wake_s={idle_wake_s!r}: expected finite seconds >= 0")
         self.config = config
         self.step_time = step_time
         self.token_buckets = check_token_buckets(config, token_buckets)
+        self.idle_wake_s = float(idle_wake_s)
 
     def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
         """Replays `requests` (any order; by arrival) to completion on a virtual clock.
@@ -403,7 +409,8 @@ class Simulator:
             schedule = pool.step(max_steps)
             if schedule.is_empty:
                 if head < len(pending) and not schedule.preempted_seq_ids:
-                    pool.clock = max(pool.clock, pending[head][1].arrival_s)  # idle until arrival
+                    wake = pending[head][1].arrival_s + self.idle_wake_s  # idle until then
+                    pool.clock = max(pool.clock, wake)
                     continue
                 if not schedule.preempted_seq_ids:
                     raise RuntimeError("the scheduler cannot make progress on the waiting requests")

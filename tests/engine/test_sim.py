@@ -220,3 +220,17 @@ def test_arrivals_idle_time_and_roofline():
     # Two-way TP halves the roofline part of the step.
     tp2 = Simulator(config, RooflineStepTime(cfg, tp=2)).run(reqs)
     assert tp2.summary().tpot.p50 < sim.summary().tpot.p50
+
+
+def test_an_idle_driver_wakes_late_by_idle_wake_s():
+    reqs = [SimRequest(0.0, [1, 2, 3], 4), SimRequest(5.0, [4, 5, 6], 4)]
+    config = dataclasses.replace(CONFIG, token_buckets="pow2")
+    base = Simulator(config, MODEL).run(reqs).metrics.requests
+    late = Simulator(config, MODEL, idle_wake_s=0.01).run(reqs).metrics.requests
+    # The first arrives as the driver starts (no sleep); the second finds it asleep and starts
+    # 10 ms later. Nothing else changes.
+    assert late[0].token_events == base[0].token_events
+    assert late[1].ttft == pytest.approx(base[1].ttft + 0.01)
+    assert late[1].tpot == pytest.approx(base[1].tpot)
+    with pytest.raises(ValueError, match="idle_wake_s=-1"):
+        Simulator(config, MODEL, idle_wake_s=-1)
