@@ -1,8 +1,8 @@
 """A serving simulator: the engine's own `Scheduler` and `BlockAllocator` on a virtual clock.
 
-    model = LinearStepTime.fit(measured)                # or RooflineStepTime(preset("llama2-7b"))
-    sim = Simulator(EngineConfig(...), model)
-    summary = sim.run([SimRequest(arrival_s, prompt, max_tokens), ...], slo=SLO(0.5, 0.05))
+    model = TableStepTime.fit(measured)     # or LinearStepTime.fit, RooflineStepTime(preset(..))
+    sim = Simulator(engine_config, model, token_buckets=engine.token_buckets)
+    summary = sim.run([SimRequest(arrival_s, prompt, max_tokens), ...]).summary(SLO(0.5, 0.05))
 
 Where the engine runs a jitted step, the simulator advances a clock by the time a step-time model
 predicts for that step's shape; everything else is the engine's code: the same `Scheduler`
@@ -10,12 +10,20 @@ predicts for that step's shape; everything else is the engine's code: the same `
 the same `MetricsCollector` giving TTFT, TPOT and goodput. A request runs to its `max_tokens`
 (the sampled ids are placeholders, not a model's, so no stop token ends it early: replay engine
 runs with `ignore_eos` or a trace's output lengths). Prefix-cache hits on prompts are exact;
-hits on generated tokens (recompute after preemption) see placeholders.
+hits on generated tokens (recompute after preemption) see placeholders. So an engine whose
+metrics clock advances by the same model's price of each step it runs gives exactly the
+simulator's timestamps (tests/engine/test_sim.py); against wall-clock time the simulator is as
+good as its step-time model (experiments/sim_check.py).
 
-The engine pads each step to buckets (`step_shape`); a step's cost follows the padded shape, so
-the models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least squares on measured steps)
-and `RooflineStepTime` (max of FLOPs over peak and bytes over bandwidth, per TP shard, for
-machines not here, e.g. an H200).
+The engine pads each step (`step_shape`, the engine's own `step.padded_shape`): T to its token
+buckets, which with `token_buckets="measured"` a cost table timed at the engine's construction
+chose, so the simulator takes the engine's `Engine.token_buckets` (a "pow2" config fixes them
+alone: `config_token_buckets`); B and M to powers of two. A step's cost follows the padded
+shape, so the step-time models take it: `LinearStepTime` (t = c0 + c1 T + c2 B M, least
+squares), `TableStepTime` (a base time per T bucket plus per-sequence and context terms: a CPU's
+step time is not linear in T across buckets) and `RooflineStepTime` (max of FLOPs over peak and
+bytes over bandwidth, per TP shard, for machines not here, e.g. an H200). A prefill pool and a
+decode pool joined by a KV link: `sim_disagg.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Schedule, Scheduler
+from jaxinfer.engine.step import padded_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +56,36 @@ class StepShape:
     padded_blocks: int  # M bucket (blocks per sequence)
 
 
-def step_shape(schedule: Schedule, config: EngineConfig) -> StepShape:
-    """The padded (T, B, M) the engine runs `schedule` at, with the real counts beside them."""
+def step_shape(schedule: Schedule, config: EngineConfig, token_buckets: Sequence[int]) -> StepShape:
+    """The padded (T, B, M) the engine runs `schedule` at (`step.padded_shape`, the engine's own
+    padding), with the real counts beside them. `token_buckets`: the engine's
+    `Engine.token_buckets`."""
     seqs = schedule.seqs
-    rows = sum(len(s.sample_seq_ids) for s in seqs)
+    t, b, m = padded_shape(schedule, config, token_buckets)
     return StepShape(
         num_tokens=schedule.num_batched_tokens,
         num_seqs=len(seqs),
         context_tokens=sum(s.start_pos + len(s.token_ids) for s in seqs),
-        padded_tokens=bucket(schedule.num_batched_tokens, config.min_token_bucket),
-        padded_seqs=bucket(max(len(seqs), rows), config.min_seq_bucket),
-        padded_blocks=bucket(max(len(s.block_table) for s in seqs), config.min_block_bucket),
+        padded_tokens=t,
+        padded_seqs=b,
+        padded_blocks=m,
+    )
+
+
+def config_token_buckets(config: EngineConfig) -> tuple[int, ...]:
+    """The token buckets an engine of `config` pads T to, where the config alone fixes them
+    ("pow2": every power of two from min_token_bucket, as `Engine.__init__`).
+
+    Raises:
+      ValueError: token_buckets="measured": the buckets come from a cost table timed on the
+        engine's machine, so the simulator takes them from that engine (`Engine.token_buckets`).
+    """
+    if config.token_buckets == "pow2":
+        return (bucket(config.min_token_bucket),)
+    raise ValueError(
+        f"EngineConfig.token_buckets={config.token_buckets!r}: the buckets are measured when an "
+        "engine is built, so pass that engine's: Simulator(config, model, "
+        "token_buckets=engine.token_buckets); or simulate token_buckets='pow2'"
     )
 
 
@@ -95,6 +123,81 @@ class LinearStepTime:
 
     def __call__(self, shape: StepShape) -> float:
         return float(self.features(shape) @ np.array([self.c0, self.c1, self.c2]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStepTime:
+    """t = a[T] + c_seq * num_seqs + c_ctx * context_tokens (seconds); a[T] per padded T bucket.
+
+    Why not `LinearStepTime` on a CPU: a step's time is not linear in its padded T across the
+    engine's buckets. Small products run from cache and their dispatch hides the cost of their
+    rows (the measured buckets exist because T = 1, 2 and 4 cost nearly alike: `buckets.py`),
+    while from some T on a step's GEMMs leave the cache and grow with T, so one slope through all
+    buckets overprices decode steps and underprices prefill steps or the reverse. Each bucket gets
+    its own base time a[T] instead, measured at calibration (the engine compiles one program per
+    bucket, so steps of a bucket share their device work), plus two terms that vary within a
+    bucket: c_seq for per-sequence host work (metadata, sampling rows) and c_ctx for the context
+    each step's attention reads. A bucket calibration never saw is interpolated linearly in T
+    between its neighbours (above the largest: proportional to T).
+    """
+
+    base: tuple[tuple[int, float], ...]  # (padded T, seconds), increasing T
+    c_seq: float
+    c_ctx: float
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepShape, float]]) -> TableStepTime:
+        """From `(shape, measured seconds)` pairs: c_seq and c_ctx by least squares beside one
+        intercept per bucket (clipped at 0), each a[T] the median residual of its steps; steps
+        off the fit by more than 5 median absolute errors (a shared machine's busy spells) are
+        dropped and the fit repeated, a few times at most.
+
+        Raises:
+          ValueError: fewer than 3 samples, or a non-finite or negative time.
+        """
+        if len(samples) < 3:
+            raise ValueError(f"TableStepTime.fit needs >= 3 measured steps, got {len(samples)}")
+        y = np.array([t for _, t in samples], np.float64)  # [N]
+        if not np.all(np.isfinite(y)) or np.any(y < 0):
+            raise ValueError(f"TableStepTime.fit: step times must be finite and >= 0, got {y}")
+        ts = sorted({s.padded_tokens for s, _ in samples})
+        col = {t: i for i, t in enumerate(ts)}
+        onehot = np.zeros((len(samples), len(ts)))  # [N, buckets]
+        onehot[np.arange(len(samples)), [col[s.padded_tokens] for s, _ in samples]] = 1.0
+        x = np.array([[s.num_seqs, s.context_tokens] for s, _ in samples], np.float64)  # [N, 2]
+        keep = np.ones(len(samples), bool)  # steps not (yet) judged spikes
+        for _ in range(4):  # fit, drop the steps far off it (a busy spell), refit
+            a = np.concatenate([onehot, x], 1)[keep]
+            coef, *_ = np.linalg.lstsq(a, y[keep], rcond=None)
+            slopes = np.maximum(coef[len(ts) :], 0.0)
+            resid = y - x @ slopes
+            base = np.zeros(len(ts))  # [buckets]
+            for j in range(len(ts)):
+                inb = onehot[:, j] == 1
+                base[j] = np.median(resid[inb & keep] if np.any(inb & keep) else resid[inb])
+            err = resid - onehot @ base  # [N]
+            mad = np.median(np.abs(err[keep]))
+            spikes = np.abs(err) > 5 * mad + 1e-9 * np.max(np.abs(y))
+            if not np.any(spikes & keep) or np.sum(keep & ~spikes) < 3:
+                break
+            keep &= ~spikes
+        base = tuple((t, max(float(b), 0.0)) for t, b in zip(ts, base))
+        return cls(base, float(slopes[0]), float(slopes[1]))
+
+    def base_time(self, padded_tokens: int) -> float:
+        """a[T]; linear in T between calibrated buckets, proportional to T above the largest."""
+        ts = [t for t, _ in self.base]
+        a = [v for _, v in self.base]
+        if padded_tokens > ts[-1]:
+            return a[-1] * padded_tokens / ts[-1]
+        return float(np.interp(padded_tokens, ts, a))
+
+    def __call__(self, shape: StepShape) -> float:
+        return (
+            self.base_time(shape.padded_tokens)
+            + self.c_seq * shape.num_seqs
+            + self.c_ctx * shape.context_tokens
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +269,98 @@ class SimResult:
     metrics: MetricsCollector
     steps: list[tuple[StepShape, float]]
     num_preemptions: int
+    first_scheduled: dict[Hashable, float] = dataclasses.field(default_factory=dict)  # step start
 
     def summary(self, slo: SLO | None = None) -> MetricsSummary:
         return self.metrics.summary(slo)
+
+
+class _Pool:
+    """One simulated engine: scheduler, allocator and metrics on a clock that a step-time
+    model advances (`step`); the callers add requests and move the clock over idle spells."""
+
+    def __init__(self, config: EngineConfig, step_time, token_buckets: tuple[int, ...]):
+        self.config, self.step_time, self.token_buckets = config, step_time, token_buckets
+        self.allocator = BlockAllocator(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
+        self.clock = 0.0
+        self.metrics = MetricsCollector(lambda: self.clock)
+        self.steps: list[tuple[StepShape, float]] = []
+        self.first_scheduled: dict[Hashable, float] = {}  # request -> start of its first step
+        self.carry: dict[Hashable, int] = {}  # tokens a request's first output also brings
+
+    def add(self, rid, prompt, max_tokens: int, n: int, arrival: float, scheduled_at: float):
+        """Queues a request; `arrival` is its metrics arrival, `scheduled_at` the scheduler's."""
+        self.metrics.on_arrival(rid, len(prompt), arrival)
+        sp = _SimSampling(int(max_tokens), int(n))
+        self.scheduler.add_request(Request(rid, list(prompt), sp, scheduled_at))
+
+    def step(self, max_steps: int) -> Schedule:
+        """Schedules and, unless the schedule is empty, runs one priced step."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            self.scheduler.update(schedule, {})
+            return schedule
+        shape = step_shape(schedule, self.config, self.token_buckets)
+        dt = float(self.step_time(shape))
+        for s in schedule.seqs:
+            self.first_scheduled.setdefault(s.request_id, self.clock)
+        self.clock += dt
+        self.steps.append((shape, dt))
+        if len(self.steps) > max_steps:
+            raise RuntimeError(f"simulation passed max_steps={max_steps}")
+        sampled = {sid: [0] for s in schedule.seqs for sid in s.sample_seq_ids}
+        outs = self.scheduler.update(schedule, sampled)
+        per_request: dict[Hashable, int] = {}
+        for o in outs:
+            per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
+        metrics = self.metrics
+        for rid, n in per_request.items():
+            metrics.on_tokens(rid, n + self.carry.pop(rid, 0))
+        for o in outs:
+            if o.request_finished and metrics.requests[o.request_id].finish_time is None:
+                metrics.on_finish(o.request_id)
+        usage = self.allocator.usage()
+        metrics.on_step(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=schedule.num_batched_tokens,
+            num_preempted=len(schedule.preempted_seq_ids),
+            kv_used_blocks=usage.num_used_blocks,
+            kv_total_blocks=usage.num_total_blocks,
+            kv_filled_slots=usage.num_filled_slots,
+            block_size=usage.block_size,
+            prefix_cache_hits=self.allocator.prefix_cache_hits,
+            prefix_cache_queries=self.allocator.prefix_cache_queries,
+        )
+        return schedule
+
+    def result(self) -> SimResult:
+        return SimResult(
+            self.metrics, self.steps, self.scheduler.num_preemptions, self.first_scheduled
+        )
+
+
+def check_token_buckets(config: EngineConfig, token_buckets: Sequence[int] | None) -> tuple:
+    """`token_buckets` validated (None: `config_token_buckets(config)`)."""
+    if token_buckets is None:
+        token_buckets = config_token_buckets(config)
+    token_buckets = tuple(token_buckets)
+    pow2 = all(isinstance(b, int) and b >= 1 and not b & (b - 1) for b in token_buckets)
+    if not token_buckets or not pow2 or list(token_buckets) != sorted(set(token_buckets)):
+        raise ValueError(
+            f"token_buckets={token_buckets!r}: expected increasing powers of two >= 1 "
+            "(an engine's Engine.token_buckets)"
+        )
+    return token_buckets
+
+
+def request_ids(requests: Sequence[SimRequest]) -> list[tuple[Hashable, SimRequest]]:
+    """(id, request) by arrival (ties: given order); a request without an id gets its index."""
+    pending = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
+    return [(r.request_id if r.request_id is not None else i, r) for i, r in pending]
 
 
 class Simulator:
@@ -177,11 +369,26 @@ class Simulator:
     Args:
       config: the engine config simulated (pool, limits, buckets; backend and dtypes unused).
       step_time: StepShape -> seconds (`LinearStepTime`, `RooflineStepTime`, or any callable).
+      token_buckets: the T buckets steps are padded to: the simulated engine's
+        `Engine.token_buckets` (with token_buckets="measured" they come from a cost table timed
+        on its machine); None: `config_token_buckets(config)` (a "pow2" config only).
+      idle_wake_s: how late an idle driver wakes for the next arrival (a real-time driver that
+        sleeps until it, as `workload.serve`, oversleeps); the clock jumps to arrival + this.
     """
 
-    def __init__(self, config: EngineConfig, step_time: Callable[[StepShape], float]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        step_time: Callable[[StepShape], float],
+        token_buckets: Sequence[int] | None = None,
+        idle_wake_s: float = 0.0,
+    ):
+        if not (isinstance(idle_wake_s, int | float) and 0 <= idle_wake_s < math.inf):
+            raise ValueError(f"idle_wake_s={idle_wake_s!r}: expected finite seconds >= 0")
         self.config = config
         self.step_time = step_time
+        self.token_buckets = check_token_buckets(config, token_buckets)
+        self.idle_wake_s = float(idle_wake_s)
 
     def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
         """Replays `requests` (any order; by arrival) to completion on a virtual clock.
@@ -190,61 +397,24 @@ class Simulator:
           ValueError: a request the engine would refuse at admission (the scheduler's checks).
           RuntimeError: no progress (nothing schedulable, no arrival left) or `max_steps` passed.
         """
-        cfg = self.config
-        allocator = BlockAllocator(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        scheduler = Scheduler(cfg.scheduler_config(), allocator)
-        clock = [0.0]
-        metrics = MetricsCollector(lambda: clock[0])
-        pending = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_s, ir[0]))
-        pending = [(r.request_id if r.request_id is not None else i, r) for i, r in pending]
-        steps: list[tuple[StepShape, float]] = []
+        pool = _Pool(self.config, self.step_time, self.token_buckets)
+        pending = request_ids(requests)
         head = 0
-        while head < len(pending) or scheduler.has_unfinished():
-            while head < len(pending) and pending[head][1].arrival_s <= clock[0]:
+        while head < len(pending) or pool.scheduler.has_unfinished():
+            while head < len(pending) and pending[head][1].arrival_s <= pool.clock:
                 rid, r = pending[head]
-                sp = _SimSampling(int(r.max_tokens), int(r.n))
-                metrics.on_arrival(rid, len(r.prompt_token_ids), r.arrival_s)
-                scheduler.add_request(Request(rid, list(r.prompt_token_ids), sp, r.arrival_s))
+                t = r.arrival_s
+                pool.add(rid, r.prompt_token_ids, r.max_tokens, r.n, t, t)
                 head += 1
-            schedule = scheduler.schedule()
+            schedule = pool.step(max_steps)
             if schedule.is_empty:
-                scheduler.update(schedule, {})
                 if head < len(pending) and not schedule.preempted_seq_ids:
-                    clock[0] = max(clock[0], pending[head][1].arrival_s)  # idle until arrival
+                    wake = pending[head][1].arrival_s + self.idle_wake_s  # idle until then
+                    pool.clock = max(pool.clock, wake)
                     continue
                 if not schedule.preempted_seq_ids:
                     raise RuntimeError("the scheduler cannot make progress on the waiting requests")
-                continue
-            shape = step_shape(schedule, cfg)
-            dt = float(self.step_time(shape))
-            clock[0] += dt
-            steps.append((shape, dt))
-            if len(steps) > max_steps:
-                raise RuntimeError(f"simulation passed max_steps={max_steps}")
-            sampled = {sid: [0] for s in schedule.seqs for sid in s.sample_seq_ids}
-            outs = scheduler.update(schedule, sampled)
-            per_request: dict[Hashable, int] = {}
-            for o in outs:
-                per_request[o.request_id] = per_request.get(o.request_id, 0) + len(o.new_token_ids)
-            for rid, n in per_request.items():
-                metrics.on_tokens(rid, n)
-            for o in outs:
-                if o.request_finished and metrics.requests[o.request_id].finish_time is None:
-                    metrics.on_finish(o.request_id)
-            usage = allocator.usage()
-            metrics.on_step(
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
-                num_batched_tokens=schedule.num_batched_tokens,
-                num_preempted=len(schedule.preempted_seq_ids),
-                kv_used_blocks=usage.num_used_blocks,
-                kv_total_blocks=usage.num_total_blocks,
-                kv_filled_slots=usage.num_filled_slots,
-                block_size=usage.block_size,
-                prefix_cache_hits=allocator.prefix_cache_hits,
-                prefix_cache_queries=allocator.prefix_cache_queries,
-            )
-        return SimResult(metrics, steps, scheduler.num_preemptions)
+        return pool.result()
 
 
 def poisson_workload(

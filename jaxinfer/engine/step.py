@@ -132,6 +132,18 @@ def apply_copies(engine, copies: Sequence[tuple[int, int]]) -> None:
             engine.dcache = _copy(engine.dcache, src, dst)
 
 
+def padded_shape(schedule: Schedule, config, token_buckets: Sequence[int]) -> tuple[int, int, int]:
+    """The (T, B, M) a step of `schedule` runs at: T padded to `token_buckets` (`buckets.py`),
+    B (sequences or sample rows) and M (blocks per sequence) to powers of two above
+    `config.min_seq_bucket` / `config.min_block_bucket`. The simulator pads with it too."""
+    seqs = schedule.seqs
+    n_rows = sum(len(s.sample_seq_ids) for s in seqs)
+    b = bucket(max(len(seqs), n_rows), config.min_seq_bucket)
+    t = pad_tokens(schedule.num_batched_tokens, token_buckets)
+    m = bucket(max(len(s.block_table) for s in seqs), config.min_block_bucket)
+    return t, b, m
+
+
 def build_batch(engine, schedule: Schedule) -> _Batch:
     """The padded device batch of a schedule (host only). T is padded to the engine's measured
     token buckets (`buckets.py`), B and M to powers of two above their minimums."""
@@ -142,10 +154,7 @@ def build_batch(engine, schedule: Schedule) -> _Batch:
         SeqChunk(s.token_ids, s.start_pos, s.block_table, "last" if s.sample else "none")
         for s in seqs
     ]
-    n_rows = sum(len(s.sample_seq_ids) for s in seqs)
-    b = bucket(max(len(seqs), n_rows), cfg.min_seq_bucket)
-    t = pad_tokens(schedule.num_batched_tokens, engine.token_buckets)
-    m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
+    t, b, m = padded_shape(schedule, cfg, engine.token_buckets)
     meta, owner = build_metadata(chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b)
     # One sample row per sampled sequence id: the logits row of its chunk, the position its
     # token will occupy, its sample index and its request's settings.
