@@ -125,7 +125,11 @@ CASES = {
     "cost_model_check": [([], None), (["--rounds=0"], "not a positive integer")],
     "engine_step_profile": [([], None), (["--prompt_len=0"], "not a positive integer")],
     "drafter_bench": [([], None), (["--gamma=0"], "not a positive integer")],
-    "train_drafter": [([], None), (["--kind=foo"], "should be one of"), (["--steps=0"], "not a positive integer")],
+    "train_drafter": [
+        ([], None),
+        (["--kind=foo"], "should be one of"),
+        (["--steps=0"], "not a positive integer"),
+    ],
     "disagg_bench": [
         ([], None),
         (["--parts=transfer,foo"], "'foo' is not one of"),
