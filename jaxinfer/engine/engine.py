@@ -336,20 +336,7 @@ class Engine:
                 self._finish(o.request_id, now)
         for rid, error in failed.items():
             stream += self._fail(rid, error, now)
-        usage = self.allocator.usage()
-        self.metrics_collector.on_step(
-            now,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_batched_tokens=schedule.num_batched_tokens,
-            num_preempted=len(schedule.preempted_seq_ids),
-            kv_used_blocks=usage.num_used_blocks,
-            kv_total_blocks=usage.num_total_blocks,
-            kv_filled_slots=usage.num_filled_slots,
-            block_size=usage.block_size,
-            prefix_cache_hits=self.allocator.prefix_cache_hits,
-            prefix_cache_queries=self.allocator.prefix_cache_queries,
-        )
+        self.metrics_collector.on_engine_step(schedule, self.scheduler, self.allocator, now)
         if self._observe is not None:  # a decode-only speculative step (cycles.account)
             self.controller.observe(*self._observe, time.perf_counter() - t_start)
         return stream

@@ -235,6 +235,24 @@ class MetricsCollector:
             )
         rec.finish_time, rec.aborted = t, aborted
 
+    def on_engine_step(self, schedule, scheduler, allocator, now: float | None = None) -> None:
+        """`on_step` from an engine step's schedule, its `Scheduler` and its `BlockAllocator`
+        (the engine and the simulator sample the same state after every step)."""
+        usage = allocator.usage()
+        self.on_step(
+            now,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_batched_tokens=schedule.num_batched_tokens,
+            num_preempted=len(schedule.preempted_seq_ids),
+            kv_used_blocks=usage.num_used_blocks,
+            kv_total_blocks=usage.num_total_blocks,
+            kv_filled_slots=usage.num_filled_slots,
+            block_size=usage.block_size,
+            prefix_cache_hits=allocator.prefix_cache_hits,
+            prefix_cache_queries=allocator.prefix_cache_queries,
+        )
+
     def on_step(
         self,
         now: float | None = None,

@@ -322,19 +322,7 @@ class _Pool:
         for o in outs:
             if o.request_finished and metrics.requests[o.request_id].finish_time is None:
                 metrics.on_finish(o.request_id)
-        usage = self.allocator.usage()
-        metrics.on_step(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_batched_tokens=schedule.num_batched_tokens,
-            num_preempted=len(schedule.preempted_seq_ids),
-            kv_used_blocks=usage.num_used_blocks,
-            kv_total_blocks=usage.num_total_blocks,
-            kv_filled_slots=usage.num_filled_slots,
-            block_size=usage.block_size,
-            prefix_cache_hits=self.allocator.prefix_cache_hits,
-            prefix_cache_queries=self.allocator.prefix_cache_queries,
-        )
+        metrics.on_engine_step(schedule, self.scheduler, self.allocator)
         return schedule
 
     def result(self) -> SimResult:

@@ -42,11 +42,10 @@ TIGHT = ji.EngineConfig(
 MODEL = LinearStepTime(c0=2e-3, c1=1e-4, c2=3e-5)  # an arbitrary price list, not a fit
 
 
-def _workload(seed, rate=math.inf):
+def _workload(seed, rate=math.inf, outputs=(12, 5, 9, 16, 7, 10, 4, 13)):
     shared = [7, 3, 9, 12, 40, 41, 42, 43]  # two full blocks: prefix-cache hits
     reqs = poisson_workload(
-        rate, [6, 30, 11, 19, 3, 25, 14, 8], [12, 5, 9, 16, 7, 10, 4, 13],
-        vocab_size=128, seed=seed,
+        rate, [6, 30, 11, 19, 3, 25, 14, 8], list(outputs), vocab_size=128, seed=seed
     )  # fmt: skip
     return [
         SimRequest(r.arrival_s, shared + list(r.prompt_token_ids) if i % 2 else r.prompt_token_ids,

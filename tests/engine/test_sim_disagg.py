@@ -8,8 +8,9 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.config import preset
-from jaxinfer.engine.sim import LinearStepTime, SimRequest, Simulator, poisson_workload
+from jaxinfer.engine.sim import LinearStepTime, SimRequest, Simulator
 from jaxinfer.engine.sim_disagg import DisaggSimulator, KVLink, kv_bytes_per_token
+from tests.engine.test_sim import _workload as sim_workload
 
 CFG = preset("tiny-llama")
 S = 4
@@ -20,16 +21,8 @@ MODEL = LinearStepTime(c0=2e-3, c1=1e-4, c2=3e-5)
 
 
 def _workload(rate):
-    shared = [7, 3, 9, 12, 40, 41, 42, 43]  # two full blocks: decode-side prefix hits
-    reqs = poisson_workload(
-        rate, [6, 30, 11, 19, 3, 25, 14, 8], [12, 5, 9, 16, 1, 10, 4, 13],
-        vocab_size=128, seed=4,
-    )  # fmt: skip
-    return [
-        SimRequest(r.arrival_s, shared + list(r.prompt_token_ids) if i % 2 else r.prompt_token_ids,
-                   r.max_tokens, request_id=i)
-        for i, r in enumerate(reqs)
-    ]  # fmt: skip
+    """test_sim's workload (shared prefix: decode-side prefix hits), one output of 1 token."""
+    return sim_workload(4, rate, outputs=(12, 5, 9, 16, 1, 10, 4, 13))
 
 
 def test_kv_bytes_per_token_is_the_connectors_count():
