@@ -49,6 +49,7 @@ from jaxinfer.cache.metadata import (
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import pad_tokens
+from jaxinfer.engine.step import padded_shape
 from jaxinfer.model.decoder import forward
 from jaxinfer.sampling import SamplingBatch, probs, sample
 from jaxinfer.speculative.acceptance import (
@@ -274,9 +275,7 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     n_logits = sum(
         len(c.token_ids) if c.logits == "all" else int(c.logits == "last") for c in chunks
     )
-    b = bucket(max(len(seqs), len(sample_rows)), cfg.min_seq_bucket)
-    t = pad_tokens(schedule.num_batched_tokens, engine.token_buckets)
-    m = bucket(max(len(s.block_table) for s in seqs), cfg.min_block_bucket)
+    t, b, m = padded_shape(schedule, cfg, engine.token_buckets)  # as a plain step's
     meta, owner = build_metadata(
         chunks, S, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=bucket(n_logits, b)
     )
