@@ -46,11 +46,8 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
     engine.params, mesh = prepare(cfg, engine.params, config.mesh)
     # A one-device mesh (a disaggregated side on its own device) still places the cache there.
     layout = mesh if mesh is not None or config.mesh is None else tp_mesh(cfg, config.mesh)
-    cache = init_cache(
-        cfg, config.num_blocks, config.block_size, dtype=config.kv_dtype,
-        kv_format=config.kv_format, platform=engine.platform,
-    )  # fmt: skip
-    engine.cache = cache if layout is None else shard_cache(cfg, cache, layout)
+    engine.kv_layout = layout  # kept for `new_cache`
+    engine.cache = new_cache(engine)
     if mesh is None:
         return None
     spec = config.speculative
@@ -61,6 +58,18 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
         )
     engine.step = functools.partial(_step_under_mesh, engine.step, mesh)
     return mesh
+
+
+def new_cache(engine) -> PagedKVCache:
+    """An empty paged KV cache for `engine`, laid out on `engine.kv_layout` (its mesh, or one
+    device when None): at construction, and when a failed step consumed the cache
+    (`recovery.undo`), so the rebuilt cache keeps the shards the step is compiled for."""
+    cfg, config = engine.cfg, engine.config
+    cache = init_cache(
+        cfg, config.num_blocks, config.block_size, dtype=config.kv_dtype,
+        kv_format=config.kv_format, platform=engine.platform,
+    )  # fmt: skip
+    return cache if engine.kv_layout is None else shard_cache(cfg, cache, engine.kv_layout)
 
 
 def _step_under_mesh(step, mesh):

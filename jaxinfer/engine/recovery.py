@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxinfer.cache.paged import init_cache
+from jaxinfer.distributed.engine_mesh import new_cache
 from jaxinfer.engine.scheduler import Schedule
 
 if TYPE_CHECKING:
@@ -48,14 +49,7 @@ def undo(engine: Engine, schedule: Schedule) -> None:
             engine.dcache = init_cache(
                 dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
             )
-        engine.cache = init_cache(
-            engine.cfg,
-            engine.config.num_blocks,
-            engine.config.block_size,
-            dtype=engine.config.kv_dtype,
-            kv_format=engine.config.kv_format,
-            platform=engine.platform,
-        )
+        engine.cache = new_cache(engine)  # on the engine's mesh, as at construction
         for seq in engine.scheduler.running:
             engine.scheduler.preempt(seq.seq_id)
         engine.allocator.reset_prefix_cache()  # no block is held now: every entry goes

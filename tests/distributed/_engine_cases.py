@@ -117,3 +117,32 @@ def test_refusals_name_the_cause():
     spec = ji.SpeculativeConfig(drafter=(CFG, _params()), num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"EngineConfig.mesh=2 with a speculative draft model"):
         ji.Engine(CFG, _params(), dataclasses.replace(ECFG, mesh=2, speculative=spec))
+
+
+def test_failed_step_rebuilds_the_cache_on_the_mesh(monkeypatch):
+    """A step that consumed the donated cache and then failed: `recovery.undo` builds a new cache,
+    split over KV heads as at construction (not on one device, which the step's sharded params
+    could not run with), and the engine goes on serving the reference tokens."""
+    from jaxinfer.engine import engine as engine_mod
+
+    engine = ji.Engine(CFG, _params(), dataclasses.replace(ECFG, mesh=2))
+    before = cache_layout(engine.cache)
+    assert before == dict(devices=2, kv_heads_per_device=1)
+    sharding = engine.cache.k.sharding
+    real = engine_mod._step
+
+    def consume_then_fail(*a, **k):
+        real(*a, **k)  # the donated cache is gone
+        raise RuntimeError("injected fault (device-after)")
+
+    engine.add_request(PROMPTS[0], GREEDY[0], request_id="failed")
+    monkeypatch.setattr(engine_mod, "_step", consume_then_fail)
+    outs = engine.step()
+    monkeypatch.setattr(engine_mod, "_step", real)
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("failed", "error")]
+    assert engine.num_failed_steps == 1
+    assert cache_layout(engine.cache) == before
+    assert engine.cache.k.sharding == sharding and engine.cache.v.sharding == sharding
+    got = [o.token_ids for o in engine.generate(PROMPTS[:3], GREEDY[:3])]
+    assert got == _reference("greedy")[2][:3]
+    assert engine.allocator.num_used_blocks == 0
