@@ -63,13 +63,22 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
 def new_cache(engine) -> PagedKVCache:
     """An empty paged KV cache for `engine`, laid out on `engine.kv_layout` (its mesh, or one
     device when None): at construction, and when a failed step consumed the cache
-    (`recovery.undo`), so the rebuilt cache keeps the shards the step is compiled for."""
+    (`recovery.undo`), so the rebuilt cache keeps the shards the step is compiled for.
+
+    On one device the cache is committed to it (`jax.device_put`), as a mesh's shards are: a
+    connector's load writes blocks put on the cache's sharding, which would otherwise turn an
+    uncommitted cache committed and the step's compilation key with it (every step shape
+    compiled again mid-serving, seconds each, on a disaggregated decode side).
+    """
     cfg, config = engine.cfg, engine.config
     cache = init_cache(
         cfg, config.num_blocks, config.block_size, dtype=config.kv_dtype,
         kv_format=config.kv_format, platform=engine.platform,
     )  # fmt: skip
-    return cache if engine.kv_layout is None else shard_cache(cfg, cache, engine.kv_layout)
+    if engine.kv_layout is None:
+        (device,) = cache.k.devices()
+        return jax.device_put(cache, device)
+    return shard_cache(cfg, cache, engine.kv_layout)
 
 
 def _step_under_mesh(step, mesh):
