@@ -10,9 +10,14 @@ token) moved by each connector, median of --repeats: `MeshConnector` (gather on 
 Interference: --decoders short requests decode --decode_tokens tokens while --long_prompts long
 prompts (--long_len tokens) arrive behind them, all queued at t = 0 (the long prompts are
 admitted as the decoders start, and with chunked prefill their chunks share the decoders'
-steps). Colocated: one engine in this process. Disaggregated: `disagg_worker.py`, two processes
-(prefill, decode) on this machine's cores. The figure is the decoders' inter-token latency (ITL)
-p50 / p99, measured by the decode engine's metrics clock, and the run's wall time.
+steps). Colocated: one engine in this process, on every core. Disaggregated: `disagg_worker.py`,
+two processes (prefill, decode), with --pin_cores each on one core of its own (the same cores in
+all, split between the sides, as DistServe compares deployments on the same GPUs). Each process
+first serves the requests once on a throwaway engine, and the colocated engine serves them in a
+discarded round 0, so no measured step compiles. The figure is the decoders' inter-token latency
+(ITL) p50 / p99, measured by the engine's metrics clock (on the decode side: from its first
+decode output on, so the handoff is not an ITL), and the run's wall time (processes' start,
+model load and warm-up included).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ _PARTS = flags.DEFINE_list("parts", ["transfer", "interference"], "Which benchma
 flag_checks.int_list(_BLOCKS, min_value=1)
 flag_checks.choice_list(_PARTS, ("transfer", "interference"))
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Measured rounds (after one warm-up), interleaved.")
+_MODEL = flags.DEFINE_string("model", "target", "Interference model: a `ji.models` name or path.")
+_PIN = flags.DEFINE_bool("pin_cores", True, "Disaggregated: each process on a core of its own.")
 
 L, K, D, S = 30, 3, 64, 16  # SmolLM2-135M's cache shape
 
@@ -113,7 +120,7 @@ def _interference_spec() -> dict:
     ]  # fmt: skip
     engine = dict(block_size=16, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
                   min_token_bucket=16, min_seq_bucket=8)  # fmt: skip
-    return dict(model="target", engine=engine, requests=requests)
+    return dict(model=_MODEL.value, engine=engine, requests=requests, warm_up=True)
 
 
 def _itl_stats(itls: list[list[float]]) -> dict:
@@ -139,6 +146,7 @@ def _interference(workdir: pathlib.Path) -> dict:
         out = pathlib.Path(tempfile.mkdtemp(dir=workdir))
         cmd = [sys.executable, "-m", "jaxinfer.distributed.disagg_worker",
                "--requests", str(path), "--out", str(out)]  # fmt: skip
+        cmd += ["--pin_cores"] if _PIN.value else []
         root = str(pathlib.Path(__file__).resolve().parents[1])
         env = {**os.environ, **cache_env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": root}  # fmt: skip

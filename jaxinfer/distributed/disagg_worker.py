@@ -6,10 +6,15 @@
 The launcher's `--coordinator host:port` is the address the prefill process listens on (no
 `jax.distributed` here: the processes exchange KV blocks, not collectives; each runs its own
 engine on its own devices). The requests file is the worker's (`worker.py`) with optional
-`prefill_engine` / `decode_engine` EngineConfig fields; only process 0 reads it. Each process
+`prefill_engine` / `decode_engine` EngineConfig fields; each process reads it. Each process
 writes `<out>/process_<i>.json`: the decode side every request's tokens (t0 first), its bytes
 moved, blocks skipped and load seconds; both sides their pools' used blocks and the connector's
 pending requests at exit (all 0 after a clean run, aborts included).
+
+With `"warm_up": true` in the requests file, each process first serves the requests on a
+throwaway engine of its own config (and gathers and writes each block-count bucket of a transfer
+once), so the measured run compiles nothing. `--pin_cores` runs process i on core i alone
+(`os.sched_setaffinity`, before jax starts its threads): the two sides own their cores.
 
 Test hooks: `--abort RID` aborts that request on the decode side while its load is in flight;
 `--preempt_prefill N` preempts N requests on the prefill side in the middle of their prefill.
@@ -25,6 +30,8 @@ import time
 
 import jax
 
+from jaxinfer.cache.metadata import bucket
+from jaxinfer.distributed.connector import gather_blocks, scatter_blocks
 from jaxinfer.distributed.disagg import DecodeSide, PrefillSide
 from jaxinfer.distributed.socket_connector import SocketConnector
 from jaxinfer.distributed.worker import load_model
@@ -35,7 +42,27 @@ from jaxinfer.sampling import SamplingParams
 
 def _engine(spec: dict, side: str) -> Engine:
     cfg, params = load_model(spec["model"])
-    return Engine(cfg, params, EngineConfig(**spec.get(f"{side}_engine", spec.get("engine", {}))))
+    config = EngineConfig(**spec.get(f"{side}_engine", spec.get("engine", {})))
+    engine = Engine(cfg, params, config)
+    if spec.get("warm_up"):
+        warm_up(engine, spec["requests"])
+    return engine
+
+
+def warm_up(engine: Engine, requests: list[dict]) -> None:
+    """Compiles what serving `requests` runs: their steps, on a throwaway engine of the same
+    model and config (the jitted step is shared), and the block gather / write of a transfer
+    for every block-count bucket up to the longest prompt's (blocks written onto themselves:
+    the cache does not change)."""
+    prompts = [r["prompt"] for r in requests]
+    sps = [SamplingParams(**r.get("sampling", {})) for r in requests]
+    Engine(engine.cfg, engine.params, engine.config).generate(prompts, sps)
+    S, usable = engine.config.block_size, engine.config.num_blocks - 1
+    most = min(max(len(p) // S for p in prompts), usable)
+    for m in sorted({bucket(k) for k in range(1, most + 1)}):
+        ids = list(range(1, min(m, usable) + 1))
+        engine.cache = scatter_blocks(engine.cache, gather_blocks(engine.cache, ids), ids)
+    jax.block_until_ready(engine.cache)
 
 
 def run_prefill(spec: dict, address: str, preempt: int, timeout: float) -> dict:
@@ -132,7 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--abort", type=int, default=None, help="request to abort during its load")
     ap.add_argument("--preempt_prefill", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--pin_cores", action="store_true", help="process i runs on core i alone")
     args = ap.parse_args(argv)
+    if args.pin_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < args.num_processes:
+            raise SystemExit(f"--pin_cores: {len(cores)} cores for {args.num_processes} processes")
+        os.sched_setaffinity(0, {cores[args.process_id]})
     if args.num_processes != 2:
         raise SystemExit(f"--num_processes={args.num_processes}: expected 2 (prefill, decode)")
     spec = json.loads(pathlib.Path(args.requests).read_text())
