@@ -1,4 +1,5 @@
-"""A connector's load does not change the decode engine's step compilation (one device).
+"""What a disaggregated decode side compiles: nothing again after a load (one device), nothing
+after `disagg_worker.warm_up`.
 
 A load writes blocks that the connector put on the cache's sharding (`jax.device_put`, so
 committed arrays). Were the engine's cache uncommitted, the write would commit it, and every step
@@ -32,3 +33,29 @@ def test_loaded_blocks_compile_no_step_again():
     got = [o.token_ids for o in engine.generate(prompts, sp)]
     assert got == want
     assert engine_mod._step._cache_size() == compiled, "a load recompiled the engine's step"
+
+
+def test_worker_warm_up_compiles_the_steps_and_changes_nothing():
+    """`disagg_worker.warm_up`: the requests' steps compiled on a throwaway engine (serving them
+    again compiles nothing), the cache's contents as they were, the engine's pool untouched."""
+    import numpy as np
+
+    from jaxinfer.distributed.disagg_worker import warm_up
+
+    engine = ji.Engine(CFG, random_params(CFG, seed=2), ECFG)
+    rng = np.random.default_rng(0)
+    cache = jax.tree.map(lambda x: x + rng.standard_normal(x.shape).astype(x.dtype), engine.cache)
+    engine.cache = jax.device_put(cache, engine.cache.k.sharding)
+    before = jax.tree.map(np.asarray, engine.cache)
+    requests = [
+        dict(prompt=[3, 1, 4, 1, 5, 9, 2, 6, 5], sampling=dict(temperature=0.0, max_tokens=3)),
+        dict(prompt=[2, 7, 1, 8], sampling=dict(temperature=0.0, max_tokens=5)),
+    ]
+    warm_up(engine, requests)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(engine.cache)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert engine.allocator.num_used_blocks == 0 and not engine.has_unfinished()
+    compiled = engine_mod._step._cache_size()
+    sps = [ji.SamplingParams(**r["sampling"]) for r in requests]
+    engine.generate([r["prompt"] for r in requests], sps)
+    assert engine_mod._step._cache_size() == compiled
