@@ -16,7 +16,12 @@ per second a client sees) keyed by (γ, padded B), refined online: a cell's firs
 (which includes compilation) is dropped, the estimate is the median of its last samples, and a
 cell with no estimate yet is tried before any choice is made (exploration, once per cell), unless
 `warm_up` measured it first over the compiled buckets. Only decode-only steps are timed. α_j
-comes from the counters with a Beta(1, 1) prior, so an unseen position predicts 0.5.
+comes from the counters with a prior (`SpecCounters.alpha`: 0.5 at position 0, then each
+position's predecessor). The controller reads recent acceptance (each cycle's counts decay by
+`_DECAY`, a window of ~100 cycles), so a change of workload shows. Once γ = 0 wins, nothing
+drafts, and acceptance could never be seen to recover: so every `_PROBE_EVERY`-th step of a
+run of γ = 0 choices drafts at the best γ > 0 instead (a probe: at most 1 step in 32, each
+costing t(γ) - t(0)).
 
 **Cycle log** (`EngineConfig.cycle_log`): one JSON line per sampled request per step (see
 `CycleLog.write`); `experiments/engine_cycles.py` reads it back.
@@ -38,6 +43,8 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative.speedup import expected_tokens_per_cycle
 
 _WINDOW = 16  # step-time samples kept per cell
+_DECAY = 0.99  # per drafting cycle, of the acceptance counts the controller reads
+_PROBE_EVERY = 32  # in a run of γ = 0 choices, this step drafts (at the best γ > 0)
 
 
 @dataclasses.dataclass
@@ -54,6 +61,7 @@ class SpecCounters:
     def __post_init__(self):
         self.reached = np.zeros(self.max_gamma, np.int64)
         self.accepted_at = np.zeros(self.max_gamma, np.int64)
+        self._recent = np.zeros((2, self.max_gamma))  # (reached, accepted), decayed
 
     def add(self, gamma: int, accepted: int) -> None:
         if gamma == 0:
@@ -64,10 +72,21 @@ class SpecCounters:
         j = np.arange(gamma)
         self.reached[:gamma] += j <= accepted
         self.accepted_at[:gamma] += j < accepted
+        self._recent *= _DECAY
+        self._recent[0, :gamma] += j <= accepted
+        self._recent[1, :gamma] += j < accepted
 
     def alpha(self) -> np.ndarray:
-        """Per-position α `[max_gamma]` with a Beta(1, 1) prior."""
-        return (self.accepted_at + 1.0) / (self.reached + 2.0)
+        """Per-position α `[max_gamma]` of the recent cycles. Position 0 has a Beta(1, 1) prior;
+        position j > 0 a prior of two pseudo-cycles at α_{j-1} (a position never reached
+        predicts its predecessor's rate, not 0.5: with 0.5, drafts that all land would never
+        lengthen γ past the positions already tried)."""
+        reached, accepted = self._recent
+        out = np.empty(self.max_gamma)
+        prior = 0.5
+        for j in range(self.max_gamma):
+            out[j] = prior = (accepted[j] + 2.0 * prior) / (reached[j] + 2.0)
+        return out
 
 
 class GammaController:
@@ -79,6 +98,8 @@ class GammaController:
         self.counters = counters
         self.times: dict[tuple[int, int], collections.deque] = {}
         self.seen: collections.Counter = collections.Counter()
+        self.zero_run = 0  # consecutive choices of γ = 0
+        self.probes = 0  # steps drafted by a probe
 
     def expected_tokens(self, gamma: int) -> float:
         if gamma == 0:
@@ -100,7 +121,13 @@ class GammaController:
         unmeasured = [g for g, p in pred.items() if p is None]
         if unmeasured:
             return unmeasured[0], pred
-        return max(pred, key=lambda g: pred[g]), pred
+        best = max(pred, key=lambda g: pred[g])
+        self.zero_run = self.zero_run + 1 if best == 0 and self.max_gamma > 0 else 0
+        if self.zero_run >= _PROBE_EVERY:  # draft once, so acceptance can be seen to recover
+            self.zero_run = 0
+            self.probes += 1
+            return max(range(1, self.max_gamma + 1), key=lambda g: pred[g]), pred
+        return best, pred
 
     def observe(self, gamma: int, batch: int, seconds: float) -> None:
         """A step of `batch` decoding requests at `gamma` took `seconds` (the whole step)."""

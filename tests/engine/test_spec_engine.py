@@ -232,6 +232,40 @@ def test_controller_warm_up_fills_the_table_and_picks_a_measured_gamma(pair):
         assert gamma == max(pred, key=pred.get)
 
 
+def test_controller_probes_out_of_gamma_zero_and_follows_recent_acceptance():
+    """Drafts that all fail drive "auto" to γ = 0; a probe every 32nd step keeps drafting, so
+    when drafts start to succeed (a new workload) the controller goes back to speculating. It
+    reads recent acceptance: the old failures decay instead of outvoting the new cycles."""
+    import collections
+
+    from jaxinfer.engine import cycles
+
+    counters = cycles.SpecCounters(3)
+    ctl = cycles.GammaController(3, None, counters)
+    for g in range(4):  # a step costs 1 + 0.3 γ ms at B = 1: γ > 0 pays only if drafts land
+        ctl.times[(g, 1)] = collections.deque([1e-3 * (1 + 0.3 * g)])
+
+    def run(steps: int, accept: bool) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            g, pred = ctl.choose(1)
+            assert set(pred) == {0, 1, 2, 3}
+            counters.add(g, g if accept else 0)
+            chosen.append(g)
+        return chosen
+
+    failing = run(320, accept=False)
+    assert failing[-256:].count(0) == 256 - 256 // cycles._PROBE_EVERY  # γ = 0 but the probes
+    probes = [i for i, g in enumerate(failing) if g > 0][-3:]
+    assert np.diff(probes).tolist() == [cycles._PROBE_EVERY] * 2
+    landing = run(400, accept=True)
+    assert all(g == 3 for g in landing[-200:]), landing  # back to full speculation
+    assert counters.alpha()[0] > 0.9  # the recent cycles, not the 300-odd failures before
+    assert counters.accepted_at[0] < counters.reached[0]  # the totals keep every cycle
+    fixed = cycles.GammaController(3, 0, cycles.SpecCounters(3))
+    assert {fixed.choose(1)[0] for _ in range(100)} == {0}  # a fixed γ never probes
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
