@@ -12,19 +12,25 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
   calibrate  requests of --calib_seed (never the measured ones) served in real time twice, as a
              burst (its request throughput is the engine's capacity) and at half of it; each
              engine step is timed from the end of the previous one (or the end of an idle wait),
-             so a step's price includes the driver's work between steps (adding requests); the
-             step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
+             so a step's price includes the driver's work between steps (adding requests); a
+             step that compiled is left out (it prices the compiler); the step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
              prediction) and `LinearStepTime` (reported beside it, to show why it is not used);
              and the median lateness of the driver's wake-ups for arrivals after an idle sleep
              (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps);
   measure    at each rate (default 0.25, 0.5, 0.9 of capacity) the requests of --seed served in
-             real time by a fresh engine (`serve_bench.run_engine`), --repeats times, the repeats
-             interleaved over the rates (a busy spell of a shared machine hits every rate);
+             real time by a fresh engine (the calibration's driver, timing every step),
+             --repeats times, the repeats interleaved over the rates (a busy spell of a shared
+             machine hits every rate);
   predict    `Simulator(engine config, model, token_buckets=engine.token_buckets)` on the same
-             requests (arrival times, prompts, output lengths): deterministic, run once.
+             requests (arrival times, prompts, output lengths): deterministic, run once; with
+             the calibrated models, and with a TableStepTime fitted on the calibration's and
+             the other rates' measured steps (never this rate's: more step costs from the same
+             spell of a shared machine, so more of what is left to predict is the dynamics).
 Per cell: predicted and measured (median over repeats) TTFT p50, TPOT p50 and goodput under the
 SLO, the error predicted / measured - 1, its spread (min..max of the error against each repeat),
-the steps, and the 1-minute load average of the repeats. Writes config.json, results.json and
+the steps, the 1-minute load average of the repeats, and the step model's price of the
+measured runs' own steps over their measured time (near 1: the model prices steps right, so a
+miss is in the dynamics, what got batched when). Writes config.json, results.json and
 sim_check.md into --workdir.
 """
 
@@ -42,6 +48,7 @@ from absl import app, flags, logging
 import jaxinfer as ji
 from experiments import common
 from experiments import serve_bench as sb  # its flags are ours too (and --config)
+from jaxinfer.engine import engine as engine_mod
 from jaxinfer.engine import workload
 from jaxinfer.engine.sim import LinearStepTime, SimRequest, Simulator, TableStepTime, step_shape
 
@@ -65,6 +72,7 @@ def serve_timed(engine: ji.Engine, reqs: list, wakes: list | None = None) -> lis
     the end of the previous step or idle wait); appends to `wakes` how late each idle wait
     ended after the arrival it waited for."""
     samples = []
+    compiled = engine_mod._step._cache_size
     t0 = time.perf_counter()
     mark = t0
     i = 0
@@ -75,9 +83,11 @@ def serve_timed(engine: ji.Engine, reqs: list, wakes: list | None = None) -> lis
             engine.add_request(r.prompt, workload.greedy(r.max_tokens), i, t0 + r.arrival)
             i += 1
         if engine.has_unfinished():
+            before = compiled()
             engine.step()
             end = time.perf_counter()
-            if not engine.last_schedule.is_empty:
+            # A step that compiled prices the compiler, not the step: left out.
+            if not engine.last_schedule.is_empty and compiled() == before:
                 shape = step_shape(engine.last_schedule, engine.config, engine.token_buckets)
                 samples.append((shape, end - mark))
             mark = end
@@ -106,6 +116,8 @@ def calibrate(cfg, params, ecfg, bc, name: str, text=None) -> dict:
         "table": TableStepTime.fit(samples),
         "linear": LinearStepTime.fit(samples),
         "idle_wake_s": float(np.median(wakes)) if wakes else 0.0,
+        "samples": [[*dataclasses.astuple(shape), t] for shape, t in samples],  # for refits
+        "samples_raw": samples,
     }
 
 
@@ -148,9 +160,13 @@ def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
     reqs = {r: sb.make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, r, bc.seed,
                                 text) for r in rates}  # fmt: skip
     measured = {r: [] for r in rates}
+    steps = {r: [] for r in rates}  # every measured run's (shape, seconds) per step
     for k in range(_REPEATS.value):  # interleaved: every rate once per round
         for r in rates:
-            out = sb.run_engine(cfg, params, ecfg, reqs[r], slo)
+            engine = ji.Engine(cfg, params, ecfg)
+            steps[r] += serve_timed(engine, reqs[r])
+            out = workload.summarize(engine.metrics_collector, slo)
+            out["num_steps"] = engine.num_steps
             out["load_avg"] = common.load_average()
             measured[r].append(out)
             m = out["summary"]
@@ -161,19 +177,33 @@ def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
         sim_reqs = [SimRequest(q.arrival, q.prompt, q.max_tokens, request_id=i)
                     for i, q in enumerate(reqs[r])]  # fmt: skip
         row = {"rate": r, "fraction": r / cal["capacity_rps"]}
-        for model in ("table", "linear"):
+        # "others": a TableStepTime fitted on the calibration's steps and the other rates'
+        # measured steps (never this rate's): more of its step costs come from the same spell
+        # of a shared machine as this rate's runs, so more of what is left is the dynamics.
+        others = cal["samples_raw"] + [x for q in rates if q != r for x in steps[q]]
+        models = {**{m: cal[m] for m in ("table", "linear")}, "others": TableStepTime.fit(others)}
+        for model, step_time in models.items():
             sim = Simulator(
-                ecfg, cal[model], cal["token_buckets"], idle_wake_s=cal["idle_wake_s"]
+                ecfg, step_time, cal["token_buckets"], idle_wake_s=cal["idle_wake_s"]
             ).run(sim_reqs)
             pred = sim.summary(slo).to_dict()
             row[model] = cell(pred, measured[r], _TOLERANCE.value)
             row[model]["num_steps"] = pred["num_steps"]
         row["measured_steps"] = [o["num_steps"] for o in measured[r]]
+        # The step model against the measured runs' own steps: the price of exactly the steps
+        # the engine ran, over their measured seconds. Off 1 means the model misprices steps;
+        # near 1 with a TTFT / TPOT miss means the dynamics differ (what got batched when).
+        meas = sum(t for _, t in steps[r])
+        row["step_price_ratio"] = {
+            model: sum(m(shape) for shape, _ in steps[r]) / meas if meas else None
+            for model, m in models.items()
+        }  # fmt: skip
         row["load_avg"] = [o["load_avg"] for o in measured[r]]
         rows.append(row)
     cal = dict(
         cal, table=dataclasses.asdict(cal["table"]), linear=dataclasses.asdict(cal["linear"])
     )
+    del cal["samples_raw"]
     return {"calibration": cal, "rows": rows}
 
 
@@ -186,27 +216,35 @@ def markdown(bc, slo, results: dict, command: str) -> str:
         "# Simulator vs measured engine", "", f"`{command}`", "",
         f"Model: {bc.model}. SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s:.4f} s. "
         f"{bc.num_requests} requests per rate, {_REPEATS.value} measured repeats. Prediction: "
-        "TableStepTime (LinearStepTime's error beside it). Error: predicted / median measured "
-        "- 1 [min..max over repeats].", "",
+        "TableStepTime (LinearStepTime's error beside it, and a TableStepTime fitted on the "
+        "calibration's and the other rates' measured steps). Error: predicted / median measured - 1 [min..max over "
+        "repeats].", "",
     ]  # fmt: skip
-    head = "| rate (x cap) | metric | predicted | measured [min..max] | error [spread] | linear |"
+    head = ("| rate (x cap) | metric | predicted | measured [min..max] | error [spread] | linear "
+            "| + other rates' steps |")  # fmt: skip
     for name, w in results.items():
         cap = w["calibration"]["capacity_rps"]
-        lines += [f"## {name} (capacity {cap:.2f} req/s)", "", head, "|" + "---|" * 6]
+        lines += [f"## {name} (capacity {cap:.2f} req/s)", "", head, "|" + "---|" * 7]
         for row in w["rows"]:
             load = "/".join(f"{x:.1f}" for x in row["load_avg"] if x is not None)
             for label, _, _ in METRICS:
-                c, lin = row["table"][label], row["linear"][label]
+                c, lin, oth = row["table"][label], row["linear"][label], row["others"][label]
                 lines.append(
                     f"| {row['rate']:.2f} ({row['fraction']:.2f}) | {label} | "
                     f"{common.fmt(c['predicted'], 4)} | {common.fmt(c['measured'], 4)} "
                     f"[{common.fmt(c['measured_min'], 4)}..{common.fmt(c['measured_max'], 4)}] | "
                     f"{_pct(c['error'])} [{_pct(c['error_min'])}..{_pct(c['error_max'])}] | "
-                    f"{_pct(lin['error'])} |"
+                    f"{_pct(lin['error'])} | {_pct(oth['error'])} |"
                 )
             lines.append(
                 f"| | steps | {row['table']['num_steps']} | {row['measured_steps']} | load "
-                f"{load} | |"
+                f"{load} | | {row['others']['num_steps']} |"
+            )
+            spr = row["step_price_ratio"]
+            lines.append(
+                f"| | model's price of the measured steps / their time | "
+                f"{common.fmt(spr['table'], 3)} | | | {common.fmt(spr['linear'], 3)} | "
+                f"{common.fmt(spr['others'], 3)} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -148,9 +148,11 @@ class TableStepTime:
     @classmethod
     def fit(cls, samples: Sequence[tuple[StepShape, float]]) -> TableStepTime:
         """From `(shape, measured seconds)` pairs: c_seq and c_ctx by least squares beside one
-        intercept per bucket (clipped at 0), each a[T] the median residual of its steps; steps
-        off the fit by more than 5 median absolute errors (a shared machine's busy spells) are
-        dropped and the fit repeated, a few times at most.
+        intercept per bucket (clipped at 0), each a[T] the mean residual of its steps (a run's
+        time is the sum of its steps, and step times are right-skewed: a median base
+        underpriced measured runs by 3-7% on the tiny target); steps off the fit (with median
+        bases) by more than 20 median absolute errors (a compilation, a descheduled process) are
+        dropped and the fit repeated, a few times at most. Leave compiling steps out first.
 
         Raises:
           ValueError: fewer than 3 samples, or a non-finite or negative time.
@@ -166,22 +168,26 @@ class TableStepTime:
         onehot[np.arange(len(samples)), [col[s.padded_tokens] for s, _ in samples]] = 1.0
         x = np.array([[s.num_seqs, s.context_tokens] for s, _ in samples], np.float64)  # [N, 2]
         keep = np.ones(len(samples), bool)  # steps not (yet) judged spikes
-        for _ in range(4):  # fit, drop the steps far off it (a busy spell), refit
+
+        def bases(resid, stat):  # [buckets]: stat of each bucket's kept residuals
+            out = np.zeros(len(ts))
+            for j in range(len(ts)):
+                inb = onehot[:, j] == 1
+                out[j] = stat(resid[inb & keep] if np.any(inb & keep) else resid[inb])
+            return out
+
+        for _ in range(4):  # fit, drop the steps far off it (spikes), refit
             a = np.concatenate([onehot, x], 1)[keep]
             coef, *_ = np.linalg.lstsq(a, y[keep], rcond=None)
             slopes = np.maximum(coef[len(ts) :], 0.0)
             resid = y - x @ slopes
-            base = np.zeros(len(ts))  # [buckets]
-            for j in range(len(ts)):
-                inb = onehot[:, j] == 1
-                base[j] = np.median(resid[inb & keep] if np.any(inb & keep) else resid[inb])
-            err = resid - onehot @ base  # [N]
+            err = resid - onehot @ bases(resid, np.median)  # [N]; median bases: robust to spikes
             mad = np.median(np.abs(err[keep]))
-            spikes = np.abs(err) > 5 * mad + 1e-9 * np.max(np.abs(y))
+            spikes = np.abs(err) > 20 * mad + 1e-9 * np.max(np.abs(y))
             if not np.any(spikes & keep) or np.sum(keep & ~spikes) < 3:
                 break
             keep &= ~spikes
-        base = tuple((t, max(float(b), 0.0)) for t, b in zip(ts, base))
+        base = tuple((t, max(float(b), 0.0)) for t, b in zip(ts, bases(resid, np.mean)))
         return cls(base, float(slopes[0]), float(slopes[1]))
 
     def base_time(self, padded_tokens: int) -> float:
