@@ -15,8 +15,11 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
              so a step's price includes the driver's work between steps (adding requests); a
              step that compiled is left out (it prices the compiler); the step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
              prediction) and `LinearStepTime` (reported beside it, to show why it is not used);
-             and the median lateness of the driver's wake-ups for arrivals after an idle sleep
-             (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps);
+             the median lateness of the driver's wake-ups for arrivals after an idle sleep
+             (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps), and the mean
+             excess of the first step after such a sleep over its shape's price
+             (`idle_step_s`: it starts on parked threads and cold caches; those steps are not
+             in the fits);
   measure    at each rate (default 0.25, 0.5, 0.9 of capacity) the requests of --seed served in
              real time by a fresh engine (the calibration's driver, timing every step),
              --repeats times, the repeats interleaved over the rates (a busy spell of a shared
@@ -67,15 +70,19 @@ DEFAULT_FRACTIONS = (0.25, 0.5, 0.9)
 METRICS = (("ttft_p50", "ttft", "p50"), ("tpot_p50", "tpot", "p50"), ("goodput", "goodput", None))
 
 
-def serve_timed(engine: ji.Engine, reqs: list, wakes: list | None = None) -> list[tuple]:
+def serve_timed(
+    engine: ji.Engine, reqs: list, wakes: list | None = None, cold: list | None = None
+) -> list[tuple]:
     """`workload.serve` (real time), returning each non-empty step's (StepShape, seconds since
     the end of the previous step or idle wait); appends to `wakes` how late each idle wait
-    ended after the arrival it waited for."""
+    ended after the arrival it waited for, and to `cold` the (shape, seconds) of each first
+    step after an idle wait (those are not in the returned list)."""
     samples = []
     compiled = engine_mod._step._cache_size
     t0 = time.perf_counter()
     mark = t0
     i = 0
+    woke = False
     while i < len(reqs) or engine.has_unfinished():
         now = time.perf_counter()
         while i < len(reqs) and t0 + reqs[i].arrival <= now:
@@ -89,11 +96,16 @@ def serve_timed(engine: ji.Engine, reqs: list, wakes: list | None = None) -> lis
             # A step that compiled prices the compiler, not the step: left out.
             if not engine.last_schedule.is_empty and compiled() == before:
                 shape = step_shape(engine.last_schedule, engine.config, engine.token_buckets)
-                samples.append((shape, end - mark))
+                if not woke:
+                    samples.append((shape, end - mark))
+                elif cold is not None:
+                    cold.append((shape, end - mark))
+            woke = woke and engine.last_schedule.is_empty
             mark = end
         elif i < len(reqs):
             time.sleep(max(0.0, t0 + reqs[i].arrival - time.perf_counter()))
             mark = time.perf_counter()
+            woke = True
             if wakes is not None:
                 wakes.append(max(0.0, mark - (t0 + reqs[i].arrival)))
     return samples
@@ -105,17 +117,21 @@ def calibrate(cfg, params, ecfg, bc, name: str, text=None) -> dict:
     burst = ji.Engine(cfg, params, ecfg)
     samples = serve_timed(burst, sb.make_requests(name, n, bc.max_len, vocab, math.inf, seed, text))
     capacity = burst.metrics().request_throughput
-    half, wakes = ji.Engine(cfg, params, ecfg), []
+    half, wakes, cold = ji.Engine(cfg, params, ecfg), [], []
     samples += serve_timed(
-        half, sb.make_requests(name, n, bc.max_len, vocab, capacity / 2, seed, text), wakes
+        half, sb.make_requests(name, n, bc.max_len, vocab, capacity / 2, seed, text), wakes, cold
     )
+    table = TableStepTime.fit(samples)
     return {
         "capacity_rps": capacity,
         "token_buckets": burst.token_buckets,
         "num_samples": len(samples),
-        "table": TableStepTime.fit(samples),
+        "table": table,
         "linear": LinearStepTime.fit(samples),
         "idle_wake_s": float(np.median(wakes)) if wakes else 0.0,
+        # A step after an idle sleep, over its shape's price (mean; none: 0).
+        "idle_step_s": max(0.0, float(np.mean([t - table(s) for s, t in cold]))) if cold else 0.0,
+        "num_cold_steps": len(cold),
         "samples": [[*dataclasses.astuple(shape), t] for shape, t in samples],  # for refits
         "samples_raw": samples,
     }
@@ -155,8 +171,9 @@ def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
     cal = calibrate(cfg, params, ecfg, bc, name, text)
     fractions = bc.rate_fractions if sb._RATE_FRACTIONS.present else DEFAULT_FRACTIONS
     rates = bc.rates or tuple(round(f * cal["capacity_rps"], 3) for f in fractions)
-    logging.info("%s: capacity %.2f req/s, rates %s, idle wake %.2e s, %s", name,
-                 cal["capacity_rps"], rates, cal["idle_wake_s"], cal["table"])  # fmt: skip
+    logging.info("%s: capacity %.2f req/s, rates %s, idle wake %.2e s, idle step +%.2e s "
+                 "(%d steps), %s", name, cal["capacity_rps"], rates, cal["idle_wake_s"],
+                 cal["idle_step_s"], cal["num_cold_steps"], cal["table"])  # fmt: skip
     reqs = {r: sb.make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, r, bc.seed,
                                 text) for r in rates}  # fmt: skip
     measured = {r: [] for r in rates}
@@ -184,8 +201,9 @@ def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
         models = {**{m: cal[m] for m in ("table", "linear")}, "others": TableStepTime.fit(others)}
         for model, step_time in models.items():
             sim = Simulator(
-                ecfg, step_time, cal["token_buckets"], idle_wake_s=cal["idle_wake_s"]
-            ).run(sim_reqs)
+                ecfg, step_time, cal["token_buckets"], idle_wake_s=cal["idle_wake_s"],
+                idle_step_s=cal["idle_step_s"],
+            ).run(sim_reqs)  # fmt: skip
             pred = sim.summary(slo).to_dict()
             row[model] = cell(pred, measured[r], _TOLERANCE.value)
             row[model]["num_steps"] = pred["num_steps"]

@@ -303,14 +303,15 @@ class _Pool:
         sp = _SimSampling(int(max_tokens), int(n))
         self.scheduler.add_request(Request(rid, list(prompt), sp, scheduled_at))
 
-    def step(self, max_steps: int) -> Schedule:
-        """Schedules and, unless the schedule is empty, runs one priced step."""
+    def step(self, max_steps: int, extra_s: float = 0.0) -> Schedule:
+        """Schedules and, unless the schedule is empty, runs one priced step (`extra_s` more
+        than its shape's price)."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             self.scheduler.update(schedule, {})
             return schedule
         shape = step_shape(schedule, self.config, self.token_buckets)
-        dt = float(self.step_time(shape))
+        dt = float(self.step_time(shape)) + extra_s
         for s in schedule.seqs:
             self.first_scheduled.setdefault(s.request_id, self.clock)
         self.clock += dt
@@ -368,6 +369,9 @@ class Simulator:
         on its machine); None: `config_token_buckets(config)` (a "pow2" config only).
       idle_wake_s: how late an idle driver wakes for the next arrival (a real-time driver that
         sleeps until it, as `workload.serve`, oversleeps); the clock jumps to arrival + this.
+      idle_step_s: how much longer than its shape's price the first step after an idle sleep
+        takes (on a CPU it starts on parked threads and cold caches: `sim_check.py` measures
+        it).
     """
 
     def __init__(
@@ -376,13 +380,16 @@ class Simulator:
         step_time: Callable[[StepShape], float],
         token_buckets: Sequence[int] | None = None,
         idle_wake_s: float = 0.0,
+        idle_step_s: float = 0.0,
     ):
-        if not (isinstance(idle_wake_s, int | float) and 0 <= idle_wake_s < math.inf):
-            raise ValueError(f"idle_wake_s={idle_wake_s!r}: expected finite seconds >= 0")
+        for name, v in (("idle_wake_s", idle_wake_s), ("idle_step_s", idle_step_s)):
+            if not (isinstance(v, int | float) and 0 <= v < math.inf):
+                raise ValueError(f"{name}={v!r}: expected finite seconds >= 0")
         self.config = config
         self.step_time = step_time
         self.token_buckets = check_token_buckets(config, token_buckets)
         self.idle_wake_s = float(idle_wake_s)
+        self.idle_step_s = float(idle_step_s)
 
     def run(self, requests: Sequence[SimRequest], *, max_steps: int = 1_000_000) -> SimResult:
         """Replays `requests` (any order; by arrival) to completion on a virtual clock.
@@ -394,17 +401,20 @@ class Simulator:
         pool = _Pool(self.config, self.step_time, self.token_buckets)
         pending = request_ids(requests)
         head = 0
+        woke = False  # the driver slept: its next step starts cold
         while head < len(pending) or pool.scheduler.has_unfinished():
             while head < len(pending) and pending[head][1].arrival_s <= pool.clock:
                 rid, r = pending[head]
                 t = r.arrival_s
                 pool.add(rid, r.prompt_token_ids, r.max_tokens, r.n, t, t)
                 head += 1
-            schedule = pool.step(max_steps)
+            schedule = pool.step(max_steps, self.idle_step_s if woke else 0.0)
+            woke = woke and schedule.is_empty
             if schedule.is_empty:
                 if head < len(pending) and not schedule.preempted_seq_ids:
                     wake = pending[head][1].arrival_s + self.idle_wake_s  # idle until then
                     pool.clock = max(pool.clock, wake)
+                    woke = True
                     continue
                 if not schedule.preempted_seq_ids:
                     raise RuntimeError("the scheduler cannot make progress on the waiting requests")

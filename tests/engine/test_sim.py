@@ -240,3 +240,11 @@ def test_an_idle_driver_wakes_late_by_idle_wake_s():
     assert late[1].tpot == pytest.approx(base[1].tpot)
     with pytest.raises(ValueError, match="idle_wake_s=-1"):
         Simulator(config, MODEL, idle_wake_s=-1)
+    # idle_step_s: the first step after the sleep (the second request's first) costs that more;
+    # the first request's steps (no sleep before them) and every later step do not.
+    cold = Simulator(config, MODEL, idle_step_s=0.003).run(reqs).metrics.requests
+    assert cold[0].token_events == base[0].token_events
+    assert cold[1].ttft == pytest.approx(base[1].ttft + 0.003)
+    assert cold[1].tpot == pytest.approx(base[1].tpot)
+    with pytest.raises(ValueError, match="idle_step_s=inf"):
+        Simulator(config, MODEL, idle_step_s=math.inf)
