@@ -13,8 +13,9 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
              burst (its request throughput is the engine's capacity) and at half of it; each
              engine step is timed from the end of the previous one (or the end of an idle wait),
              so a step's price includes the driver's work between steps (adding requests); a
-             step that compiled is left out (it prices the compiler); the step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
-             prediction) and `LinearStepTime` (reported beside it, to show why it is not used);
+             step that compiled is left out (it prices the compiler); the step-time models are
+             fitted on those (shape, seconds) pairs: `TableStepTime` (the prediction) and
+             `LinearStepTime` (reported beside it, to show why it is not used);
              the median lateness of the driver's wake-ups for arrivals after an idle sleep
              (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps), and the mean
              excess of the first step after such a sleep over its shape's price
@@ -235,8 +236,8 @@ def markdown(bc, slo, results: dict, command: str) -> str:
         f"Model: {bc.model}. SLO: TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s:.4f} s. "
         f"{bc.num_requests} requests per rate, {_REPEATS.value} measured repeats. Prediction: "
         "TableStepTime (LinearStepTime's error beside it, and a TableStepTime fitted on the "
-        "calibration's and the other rates' measured steps). Error: predicted / median measured - 1 [min..max over "
-        "repeats].", "",
+        "calibration's and the other rates' measured steps). Error: predicted / median "
+        "measured - 1 [min..max over repeats].", "",
     ]  # fmt: skip
     head = ("| rate (x cap) | metric | predicted | measured [min..max] | error [spread] | linear "
             "| + other rates' steps |")  # fmt: skip
