@@ -10,6 +10,7 @@ contiguous cache: no scheduling, no sharing, no preemption.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -349,6 +350,13 @@ def test_quantized_params(params, greedy_ref):
     assert [r.token_ids for r in ref] != [r.token_ids for r in greedy_ref[:3]]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _reference_forward(params, cfg, meta, cache):
+    """`ji.forward` on the reference backend, compiled (two shapes a prompt: its prefill, then
+    one-token decodes; op by op it was most of the test's time)."""
+    return ji.forward(params, cfg, meta, cache, backend="reference")
+
+
 def _greedy_on_quantized_cache(params, prompt, kv_format, max_tokens):
     """Reference: one sequence, whole-prompt prefill then one decode per step, through
     `ji.forward` on its own (undonated) cache of `kv_format`; greedy."""
@@ -358,7 +366,7 @@ def _greedy_on_quantized_cache(params, prompt, kv_format, max_tokens):
     for _ in range(max_tokens):
         meta, _ = build_metadata([SeqChunk(chunk, start, blocks)], S)
         meta = ji.BatchMetadata(*(jnp.asarray(x) for x in meta.__dict__.values()))
-        logits, cache = ji.forward(params, CFG, meta, cache, backend="reference")
+        logits, cache = _reference_forward(params, CFG, meta, cache)
         tokens.append(int(np.argmax(np.asarray(logits[0]))))
         start, chunk = start + len(chunk), [tokens[-1]]
     return tokens

@@ -20,7 +20,7 @@ def _arrays(draw):
     return x, axis
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)  # each example compiles its shape: 300 took 41 s
 @given(_arrays())
 def test_matches_jnp_argmax(case):
     x, axis = case
