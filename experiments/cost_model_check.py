@@ -12,9 +12,14 @@ greedy requests whose prompts repeat a phrase (so n-gram drafts are sometimes ac
   predict    B · E[tokens | γ, α] / t(γ, B), `GammaController`'s formula (γ = 0: B / t(0, B));
   measure    fresh requests of the same shape, batch after batch until --min_seconds of timed
              steps; committed tokens over the wall time of the decode-only, full-batch
-             `Engine.step()` calls (the table times the same whole step).
-Cells are visited once per round over --rounds interleaved rounds; the table gives the median
-error and its min-max spread, with the 1-minute load average.
+             `Engine.step()` calls (the table times the same whole step), leaving out the steps
+             in which a request ends (max_tokens cuts what that cycle accepted).
+One γ at a time: its engine calibrates, then its cells are visited once per round over --rounds
+interleaved rounds (over B), then the engine and every compiled program are released before
+the next γ. (All γ engines at once, rounds interleaved over γ too, aborted twice on SmolLM2 with
+"LLVM ERROR: Unable to allocate section memory": five engines' programs for every batch and T
+bucket of a 30-layer model.) Each cell's prediction and measurement are thus minutes apart at
+most. The table gives the median error and its min-max spread, with the 1-minute load average.
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ def serve_timed(engine, reqs, n: int) -> tuple[int, float]:
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
-        if decode and full:  # the batch the cell names, all decoding
+        # The batch the cell names, all decoding; not a step where a request ended (max_tokens
+        # cut its last cycle's accepted tokens, which the model's full cycles do not have).
+        if decode and full and not any(o.finished for o in outs):
             tokens += sum(len(o.new_token_ids) for o in outs)
             seconds += dt
     return tokens, seconds
@@ -106,21 +113,18 @@ def main(argv):
         enable_prefix_caching=False,  # every run recomputes its prompts: same shapes each time
         min_seq_bucket=1,
     )
-    engines = {}
-    for g in gammas:
-        spec = ji.SpeculativeConfig(drafter="ngram", num_speculative_tokens=g, max_gamma=gmax)
-        engines[g] = ji.Engine(cfg, params, ji.EngineConfig(**ecfg, speculative=spec))
     seed = 0
-    for e in engines.values():  # calibrate: compiles, fills t(γ, B) and α
-        for b in bs:
+    results = {(b, g): [] for b in bs for g in gammas}
+    loads = []
+    for g in gammas:  # one engine at a time (module docstring)
+        spec = ji.SpeculativeConfig(drafter="ngram", num_speculative_tokens=g, max_gamma=gmax)
+        e = ji.Engine(cfg, params, ji.EngineConfig(**ecfg, speculative=spec))
+        for b in bs:  # calibrate: compiles, fills t(γ, B) and α
             for _ in range(2):
                 seed += 1
                 serve_timed(e, prompts(cfg.vocab_size, b, seed), n)
-    results = {(b, g): [] for b in bs for g in gammas}
-    loads = []
-    for _ in range(_ROUNDS.value):
-        for b in bs:
-            for g, e in engines.items():
+        for _ in range(_ROUNDS.value):
+            for b in bs:
                 ctl = e.controller
                 t = ctl.step_time(g, b)
                 pred = b * ctl.expected_tokens(g) / t if t else float("nan")
@@ -133,7 +137,9 @@ def main(argv):
                         break
                 meas = tokens / seconds if seconds else float("nan")
                 results[(b, g)].append((pred, meas))
-        loads.append(os.getloadavg()[0])
+            loads.append(os.getloadavg()[0])
+        del e
+        jax.clear_caches()  # this γ's compiled programs go before the next γ's compile
     print(
         f"model={_MODEL.value} new_tokens={n} rounds={_ROUNDS.value} "
         f"load1={min(loads):.2f}-{max(loads):.2f}"
