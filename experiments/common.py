@@ -83,6 +83,31 @@ def test_windows(tokenizer, cfg, max_tokens: int, seq_len: int = 256) -> np.ndar
     return data.eval_windows(split_stream(tokenizer, cfg, "test"), seq_len, max_tokens)
 
 
+# User turns for a model with a chat template (`chat_prompts` renders them).
+CHAT_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France?",
+    "Explain in two sentences what a KV cache is in LLM inference.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "How do I read a CSV file with Python's csv module? Show an example.",
+    "Give three tips for writing readable Python code.",
+    "Write a function that returns the n-th Fibonacci number iteratively.",
+    "What does the `with` statement do in Python?",
+]
+
+
+def chat_prompts(tokenizer, questions) -> list[tuple[str, list[int]]]:
+    """(rendered text, ids) of one-turn user conversations through the tokenizer's chat template,
+    with the generation prompt (`ji.apply_chat_template`)."""
+    out = []
+    for q in questions:
+        text = ji.apply_chat_template(
+            tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True
+        )
+        out.append((text, tokenizer.encode(text, add_special_tokens=False).ids))
+    return out
+
+
 def calib_batch(tokenizer, cfg, num_sequences: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """`num_sequences` distinct chunks of the calib split. [num_sequences, seq_len] int32"""
     stream = split_stream(tokenizer, cfg, "calib")

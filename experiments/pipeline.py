@@ -112,12 +112,6 @@ PROMPTS = [
     "    for i in range(len(items)):",
     "    def __repr__(self):\n        return",
 ]
-# User turns for a model with a chat template (rendered with ji.apply_chat_template).
-CHAT_PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "What is the capital of France?",
-    "Explain in two sentences what a KV cache is in LLM inference.",
-]
 
 
 def _quick() -> bool:
@@ -183,10 +177,8 @@ def sample_prompts(cfg, tok) -> list[tuple[str, str, list[int]]]:
     bos = [cfg.bos_token_id or 0] if tiny else []  # SmolLM2's bos is <|im_start|>: not for raw text
     out = [("raw", p, bos + tok.encode(p, add_special_tokens=False).ids) for p in PROMPTS]
     if getattr(tok, "chat_template", None):
-        for q in CHAT_PROMPTS:
-            msgs = [{"role": "user", "content": q}]
-            text = ji.apply_chat_template(tok, msgs, add_generation_prompt=True)
-            out.append(("chat", text, tok.encode(text, add_special_tokens=False).ids))
+        for text, ids in common.chat_prompts(tok, common.CHAT_PROMPTS[:3]):
+            out.append(("chat", text, ids))
     return out
 
 

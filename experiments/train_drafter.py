@@ -26,6 +26,8 @@ distilled draft model.
 
 Writes into --workdir: config.json, checkpoints/, loss_curve.jsonl, loss_curve.png,
 results.json, and the drafter: head/ (`heads.save_head`) or draft/ (an HF checkpoint dir).
+`--ship_to=jaxinfer/assets/models/<name>` then copies the drafter and its record there (`ship`),
+which is how the shipped heads were made.
 """
 
 from __future__ import annotations
@@ -364,6 +366,41 @@ def run(tc: DrafterTrainConfig, progress: bool = True) -> dict:
     return results
 
 
+# Where a run's record goes when it is shipped (files copied as they are, config renamed).
+RECORD_FILES = ("loss_curve.jsonl", "loss_curve.png", "results.json")
+
+
+def ship(workdir: str, dest: str) -> str:
+    """Copies a finished run's drafter and training record into folder `dest` (replaced whole):
+    a head as `head_config.json` + `head.safetensors` with float16 weights (`load_head` returns
+    float32), a draft model as its HF checkpoint files; beside it `train_config.json` (the run's
+    config.json with its workdir and features_dir cleared: machine paths, set anew on a rerun)
+    and the loss curve and results. Returns dest."""
+    src = Path(workdir)
+    saved = json.loads((src / "config.json").read_text())
+    kind = saved["kind"]
+    made = src / ("draft" if kind == "draft" else "head")
+    if not made.is_dir():
+        raise ValueError(f"{str(src)!r} holds no finished {kind} run ({made.name}/ is missing)")
+    out = Path(dest)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if kind == "draft":
+        shutil.copytree(made, tmp)
+    else:
+        heads.save_head(tmp, heads.load_head(made), dtype=np.float16)
+    (tmp / "train_config.json").write_text(
+        json.dumps(dict(saved, workdir="", features_dir=""), indent=2)
+    )
+    for name in RECORD_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # whole or absent
+    return str(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # absl main.
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +419,10 @@ def define_flags() -> None:
     `load_config`, beside other experiments whose flags (--workdir, ...) share absl's registry.
     """
     _FLAGS["config"] = common.config_flag()  # a saved config.json to rerun (flags override)
+    _FLAGS["ship_to"] = flags.DEFINE_string(
+        "ship_to", None, "After a finished run, copy the drafter and its record here (`ship`), "
+        "e.g. jaxinfer/assets/models/<name>; not part of the saved config."
+    )  # fmt: skip
     for f in dataclasses.fields(DrafterTrainConfig):
         d = getattr(_DEFAULTS, f.name)
         help_ = f"DrafterTrainConfig.{f.name} (default {d!r})"
@@ -400,9 +441,13 @@ def main(argv):
     del argv
     config = _FLAGS["config"].value
     base = load_config(config) if config else _DEFAULTS
-    over = {k: f.value for k, f in _FLAGS.items() if k != "config" and f.value is not None}
+    extra = ("config", "ship_to")
+    over = {k: f.value for k, f in _FLAGS.items() if k not in extra and f.value is not None}
     tc = dataclasses.replace(base, **over)
-    print(json.dumps(run(tc), indent=2))
+    results = run(tc)
+    if _FLAGS["ship_to"].value and results["finished"]:
+        results["shipped_to"] = ship(tc.workdir, _FLAGS["ship_to"].value)
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

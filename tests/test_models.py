@@ -46,8 +46,15 @@ def test_names_and_path():
     names = models.names()
     assert names == sorted(names)
     assert set(models.asset_names()) <= set(names)
-    for name in models.asset_names():
+    assert set(models.asset_names("model")) | set(models.asset_names("head")) == set(
+        models.asset_names()
+    )
+    for name in models.asset_names("model"):
         assert os.path.isfile(os.path.join(models.path(name), "config.json"))
+    for name in models.asset_names("head"):
+        assert os.path.isfile(os.path.join(models.path(name), "head_config.json"))
+    with pytest.raises(ValueError, match="asset kind 'weights'"):
+        models.asset_names("weights")
     with pytest.raises(ValueError, match="unknown model 'nope'.*shipped models"):
         models.path("nope")
 

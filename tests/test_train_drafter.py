@@ -66,12 +66,38 @@ def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind):
     td.run(other, progress=False)
     assert _curve(other.workdir) != first
 
+    # Shipping: the drafter and its record, no machine paths; the shipped config reruns.
+    dest = td.ship(tc.workdir, str(tmp_path / "shipped"))
+    shipped = json.loads(open(f"{dest}/train_config.json").read())
+    assert shipped["workdir"] == shipped["features_dir"] == ""
+    assert {k: v for k, v in shipped.items() if k not in ("workdir", "features_dir")} == {
+        k: v for k, v in json.loads(open(f"{tc.workdir}/config.json").read()).items()
+        if k not in ("workdir", "features_dir")
+    }  # fmt: skip
+    assert _curve(dest) == first
     if kind != "draft":
         cfg = td.common.model_config("target")
         head = heads.load_head(f"{tc.workdir}/head", cfg)
         assert head.cfg.kind == kind and head.cfg.draft_vocab_size == 96
         with pytest.raises(ValueError, match="num_layers"):
             heads.load_head(f"{tc.workdir}/head", cfg.replace(num_layers=cfg.num_layers + 1))
+        small = heads.load_head(dest, cfg)  # float16 on disk, float32 again when loaded
+        for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(small.params)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype == np.float32:
+                assert b.dtype == np.float32
+                assert np.array_equal(b, a.astype(np.float16).astype(np.float32))
+            else:
+                assert np.array_equal(a, b)
+    else:
+        assert json.loads(open(f"{dest}/config.json").read()) == json.loads(
+            open(f"{tc.workdir}/draft/config.json").read()
+        )
+    unfinished = dataclasses.replace(tc, workdir=str(tmp_path / "e"), stop_at=1)
+    td.run(unfinished, progress=False)
+    with pytest.raises(ValueError, match="no finished"):
+        td.ship(unfinished.workdir, str(tmp_path / "nothing"))
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_bad_config_is_refused(tmp_path):

@@ -161,13 +161,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--pin_cores", action="store_true", help="process i runs on core i alone")
     args = ap.parse_args(argv)
+    if args.num_processes != 2:
+        raise SystemExit(f"--num_processes={args.num_processes}: expected 2 (prefill, decode)")
+    if args.process_id not in (0, 1):
+        raise SystemExit(f"--process_id={args.process_id}: expected 0 (prefill) or 1 (decode)")
     if args.pin_cores:
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < args.num_processes:
-            raise SystemExit(f"--pin_cores: {len(cores)} cores for {args.num_processes} processes")
+            raise SystemExit(
+                f"--pin_cores: this process may run on {len(cores)} core(s) ({cores}), "
+                f"fewer than --num_processes={args.num_processes}"
+            )
         os.sched_setaffinity(0, {cores[args.process_id]})
-    if args.num_processes != 2:
-        raise SystemExit(f"--num_processes={args.num_processes}: expected 2 (prefill, decode)")
     spec = json.loads(pathlib.Path(args.requests).read_text())
     if args.process_id == 0:
         result = run_prefill(spec, args.coordinator, args.preempt_prefill, args.timeout)

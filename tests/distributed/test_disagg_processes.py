@@ -66,3 +66,25 @@ def test_two_process_disaggregation(colocated, tmp_path):
     assert pre["used_blocks"] == dec["used_blocks"] == 0
     assert pre["pending"] == dec["pending"] == 0
     assert _gone(pre["pid"]) and _gone(dec["pid"])
+
+
+_ARGS = ["--coordinator=localhost:1", "--requests=unused.json", "--out=unused"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num_processes=3", "--process_id=0"], r"--num_processes=3: expected 2"),
+        (["--num_processes=2", "--process_id=2"], r"--process_id=2: expected 0 .* or 1"),
+        (["--num_processes=2", "--process_id=1", "--pin_cores"], r"1 core\(s\) \(\[0\]\), fewer"),
+    ],
+)
+def test_worker_refuses_bad_flags_before_any_work(monkeypatch, extra, message):
+    from jaxinfer.distributed import disagg_worker
+
+    pinned = []
+    monkeypatch.setattr(disagg_worker.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(disagg_worker.os, "sched_setaffinity", lambda pid, c: pinned.append(c))
+    with pytest.raises(SystemExit, match=message):
+        disagg_worker.main(_ARGS + extra)
+    assert pinned == []  # refused before pinning (or reading --requests)

@@ -165,6 +165,22 @@ def test_save_load_round_trip(tmp_path):
     assert back.cfg == head.cfg
     for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+
+
+def test_save_in_float16_loads_as_float32(tmp_path):
+    head = _head("eagle-vocab")
+    heads.save_head(tmp_path / "h", head, dtype=np.float16)
+    back = heads.load_head(tmp_path / "h", CFG)
+    pairs = list(zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)))
+    for a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.floating):  # rounded through float16, returned as float32
+            assert b.dtype == np.float32
+            assert np.array_equal(b, a.astype(np.float16).astype(np.float32))
+        else:  # the draft vocabulary's ids stay exact
+            assert b.dtype == a.dtype and np.array_equal(a, b)
+    assert any(not np.issubdtype(np.asarray(a).dtype, np.floating) for a, _ in pairs)
 
 
 @pytest.mark.parametrize(

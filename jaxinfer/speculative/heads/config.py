@@ -150,11 +150,19 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
-def save_head(path: str | os.PathLike, head: Head) -> None:
-    """Writes `head_config.json` and `head.safetensors` into folder `path` (created)."""
+def save_head(path: str | os.PathLike, head: Head, dtype=None) -> None:
+    """Writes `head_config.json` and `head.safetensors` into folder `path` (created).
+
+    dtype: stores the floating params in this dtype (float16 halves a shipped head); `load_head`
+    turns them back into float32, the dtype heads run in. Integer params are kept as they are.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(_flatten(head.params), str(path / WEIGHTS_FILE))
+    flat = _flatten(head.params)
+    if dtype is not None:
+        flat = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v
+                for k, v in flat.items()}  # fmt: skip
+    save_file(flat, str(path / WEIGHTS_FILE))
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(head.cfg), indent=2))
 
 
@@ -166,5 +174,6 @@ def load_head(path: str | os.PathLike, target: ModelConfig | None = None) -> Hea
     hcfg = HeadConfig(**json.loads((path / CONFIG_FILE).read_text()))
     if target is not None:
         check_pairing(hcfg, target)
-    params = _unflatten(load_file(str(path / WEIGHTS_FILE)))
-    return Head(hcfg, jax.tree.map(jnp.asarray, params))
+    flat = {k: v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v
+            for k, v in load_file(str(path / WEIGHTS_FILE)).items()}  # fmt: skip
+    return Head(hcfg, jax.tree.map(jnp.asarray, _unflatten(flat)))
