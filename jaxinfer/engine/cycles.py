@@ -185,15 +185,21 @@ def init_speculation(engine, detokenize) -> None:
             dcfg,
             loop_layout(dparams, engine.platform) if engine.config.layout == "auto" else dparams,
         )
-        # Same block ids as the target's cache (see speculation.py): one allocator for both.
-        engine.dcache = init_cache(
-            dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
-        )
+        engine.dcache = new_draft_cache(engine)
     engine.spec_counters = SpecCounters(spec.max_gamma)
     fixed = None if spec.auto else spec.num_speculative_tokens
     engine.controller = GammaController(spec.max_gamma, fixed, engine.spec_counters)
     if engine.config.cycle_log is not None:
         engine.cycle_log = CycleLog(engine.config.cycle_log, detokenize)
+
+
+def new_draft_cache(engine):
+    """An empty paged cache for the model drafter, with the target cache's block ids (see
+    speculation.py: one allocator for both), on the engine's platform."""
+    dcfg = engine.config.speculative.draft_model[0]
+    return init_cache(
+        dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
+    )
 
 
 def account(engine, schedule, record: dict, outs) -> None:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxinfer.cache.paged import init_cache
 from jaxinfer.distributed.engine_mesh import new_cache
+from jaxinfer.engine.cycles import new_draft_cache
 from jaxinfer.engine.scheduler import Schedule
 
 if TYPE_CHECKING:
@@ -45,10 +45,7 @@ def undo(engine: Engine, schedule: Schedule) -> None:
         engine.dcache is not None and not cache_alive(engine.dcache)
     ):
         if engine.dcache is not None:  # the drafter's cache shares the block ids: both go
-            dcfg = engine.config.speculative.draft_model[0]
-            engine.dcache = init_cache(
-                dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform
-            )
+            engine.dcache = new_draft_cache(engine)
         engine.cache = new_cache(engine)  # on the engine's mesh, as at construction
         for seq in engine.scheduler.running:
             engine.scheduler.preempt(seq.seq_id)

@@ -8,6 +8,8 @@ models of vocabulary 8, whose declared distribution is computed exactly by scori
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -109,6 +111,45 @@ def test_stop_token_and_n_forks_stay_exact(pair):
     fork = ji.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
     (out,) = engine.generate(prompts[1:], fork)
     assert [s.token_ids for s in out.samples] == [ref[1][:10]] * 2
+
+
+def test_failed_draft_after_donation_rebuilds_both_caches(pair, greedy_ref, monkeypatch):
+    """The model drafter's jitted call consumes its donated cache, then the step fails: the
+    step's requests fail with the error, the engine rebuilds the drafter's cache beside the
+    target's, and serves the same prompts again token for token."""
+    (cfg, params), dm = pair
+    prompts = _prompts(cfg)
+    sp, want = greedy_ref
+    engine = Engine(cfg, params, _ecfg(SpeculativeConfig(drafter=dm, num_speculative_tokens=3)))
+    spec_mod = sys.modules["jaxinfer.engine.speculation"]
+    real, calls = spec_mod._draft_model, []
+
+    def fails_once_after_running(dparams, dcache, *a, **k):
+        calls.append(1)
+        out = real(dparams, dcache, *a, **k)
+        if len(calls) == 3:
+            for x in jax.tree.leaves(dcache):  # what donation does where the backend donates
+                if not x.is_deleted():
+                    x.delete()
+            raise RuntimeError("injected draft fault")
+        return out
+
+    monkeypatch.setattr(spec_mod, "_draft_model", fails_once_after_running)
+    got = engine.generate(prompts, sp)
+    assert engine.num_failed_steps == 1
+    failed = [o for o in got if o.finish_reason == "error"]
+    assert failed and all(o.error == "injected draft fault" for o in failed)
+    for o, w in zip(got, want):
+        if o.finish_reason != "error":
+            assert o.token_ids == w
+        else:
+            assert o.token_ids == w[: len(o.token_ids)]
+    assert not any(x.is_deleted() for x in jax.tree.leaves(engine.dcache))
+    assert engine.allocator.num_used_blocks == 0
+    again = engine.generate(prompts, sp)
+    assert [o.token_ids for o in again] == want
+    assert engine.spec_counters.accepted > 0
+    engine.allocator.check_invariants()
 
 
 # ----------------------------------------------------------------------------- coupled
