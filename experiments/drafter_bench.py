@@ -4,7 +4,7 @@ prediction.
 
     python -m experiments.drafter_bench --target=smollm2-135m \
         --heads=medusa=/tmp/drafters/medusa/head,eagle=smollm2-135m-eagle \
-        --workdir=/tmp/drafters/bench
+        --drafts=distilled=/tmp/drafters/draft/draft --workdir=/tmp/drafters/bench
 
 Two prompt sets: `test`, the first --prompt_len tokens of distinct windows of the held-out test
 split, and `chat`, one-turn user questions (`common.CHAT_PROMPTS`) through the target's chat
@@ -47,6 +47,10 @@ _TARGET = flags.DEFINE_string("target", "smollm2-135m", "Target model name or pa
 _HEADS = flags.DEFINE_list(
     "heads", [], "NAME=PATH of trained heads (heads.save_head folders or ji.models names)."
 )
+_DRAFTS = flags.DEFINE_list(
+    "drafts", [], "NAME=PATH of draft models (HF checkpoint dirs or ji.models names), e.g. the "
+    "distilled draft of `train_drafter --kind=draft`."
+)  # fmt: skip
 _NGRAM = flags.DEFINE_boolean("ngram", True, "Include the n-gram drafter.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")
 _NUM_PROMPTS = flags.DEFINE_integer(
@@ -87,13 +91,22 @@ def _numbers(values: list[str], kind, name: str) -> list:
     return out
 
 
-def _load_drafter(item: str, cfg):
+def _load_drafter(item: str, cfg, flag: str):
+    """A --heads entry -> (name, Head), a --drafts entry -> (name, (dcfg, dparams))."""
     name, sep, where = item.partition("=")
     if not sep or not name or not where:
-        raise app.UsageError(f"--heads entry {item!r}: expected NAME=PATH")
+        raise app.UsageError(f"--{flag} entry {item!r}: expected NAME=PATH")
     if where in ji.models.names():
         where = ji.models.path(where)
-    return name, heads.load_head(where, cfg)
+    if flag == "heads":
+        return name, heads.load_head(where, cfg)
+    dcfg, dparams = ji.load_checkpoint(where, dtype=jnp.float32)
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise app.UsageError(
+            f"--drafts {name}: vocabulary {dcfg.vocab_size} differs from the target's "
+            f"{cfg.vocab_size}"
+        )
+    return name, (dcfg, dparams)
 
 
 def _batches(prompts: list, b: int) -> list[list]:
@@ -120,7 +133,8 @@ def main(argv):
         qs = (common.CHAT_PROMPTS * _NUM_CHAT.value)[: _NUM_CHAT.value]
         sets["chat"] = [ids for _, ids in common.chat_prompts(tok, qs)]
     drafters = {"ngram": "ngram"} if _NGRAM.value else {}
-    drafters.update(_load_drafter(item, cfg) for item in _HEADS.value)
+    drafters.update(_load_drafter(item, cfg, "heads") for item in _HEADS.value)
+    drafters.update(_load_drafter(item, cfg, "drafts") for item in _DRAFTS.value)
     g, n_tok = _GAMMA.value, _MAX_TOKENS.value
     names = ["plain", *drafters]
 
