@@ -96,8 +96,7 @@ def _load_drafter(item: str, cfg, flag: str):
     name, sep, where = item.partition("=")
     if not sep or not name or not where:
         raise app.UsageError(f"--{flag} entry {item!r}: expected NAME=PATH")
-    if where in ji.models.names():
-        where = ji.models.path(where)
+    where = common.resolve_model(where)  # a ji.models name or an existing path
     if flag == "heads":
         return name, heads.load_head(where, cfg)
     dcfg, dparams = ji.load_checkpoint(where, dtype=jnp.float32)
