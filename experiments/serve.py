@@ -5,14 +5,17 @@ r"""Serves a model over the OpenAI HTTP API (jaxinfer.server) until SIGTERM or C
         --num_blocks=2048 --max_num_seqs=32 --max_waiting=128 --request_log=requests.jsonl
     python -m experiments.serve --model=smollm2-135m --speculative=ngram \
         --num_speculative_tokens=auto --max_gamma=4 --cycle_log=cycles.jsonl
+    python -m experiments.serve --model=smollm2-135m --speculative=head \
+        --draft_head=smollm2-135m-eagle --num_speculative_tokens=3
 
 --model is a shipped model name (jaxinfer.models.names()) or an HF checkpoint directory.
 --port=0 picks a free port. Once the server accepts connections it prints one line
 `serving MODEL at http://HOST:PORT` (scripts wait for it). SIGTERM stops admitting, gives
 in-flight requests --shutdown_timeout seconds, aborts the rest, and exits 0.
 
---speculative=ngram (prompt lookup) or =model (with --draft_model) serves with speculative
-decoding (`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and
+--speculative=ngram (prompt lookup), =model (with --draft_model) or =head (a learned Medusa or
+EAGLE-style head trained for the model, with --draft_head: a shipped head's name, e.g.
+smollm2-135m-eagle, or a head folder) serves with speculative decoding (`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and
 step, or `auto` (the engine's controller picks γ in 0..--max_gamma every step; --warmup then also
 measures its step-time table). /metrics then has the acceptance counters (drafts, draft and
 accepted tokens, per position) and the γ of each step; --cycle_log writes the engine's JSONL
@@ -69,10 +72,13 @@ _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
 )
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile every step shape before serving.")
 _SPECULATIVE = flags.DEFINE_enum(
-    "speculative", "none", ["none", "ngram", "model"], "Speculative decoding's drafter."
+    "speculative", "none", ["none", "ngram", "model", "head"], "Speculative decoding's drafter."
 )
 _DRAFT_MODEL = flags.DEFINE_string(
     "draft_model", None, "--speculative=model: the draft's name or checkpoint dir."
+)
+_DRAFT_HEAD = flags.DEFINE_string(
+    "draft_head", None, "--speculative=head: a shipped head's name or a head folder."
 )
 _NUM_SPEC = flags.DEFINE_string(
     "num_speculative_tokens", "3", "γ: an int in 0..max_gamma, or 'auto' (the controller)."
@@ -112,12 +118,17 @@ flags.register_validator(
     "draft_model", lambda v: v is None or _model_is_valid(v),
     "--draft_model must be a shipped model name or an existing path",
 )  # fmt: skip
+flags.register_validator(
+    "draft_head", lambda v: v is None or v in ji.models.asset_names("head") or os.path.isdir(v),
+    "--draft_head must be a shipped head's name (ji.models.asset_names('head')) or a folder",
+)  # fmt: skip
 flags.register_multi_flags_validator(
-    ["speculative", "draft_model", "cycle_log"],
+    ["speculative", "draft_model", "draft_head", "cycle_log"],
     lambda f: (f["speculative"] == "model") == (f["draft_model"] is not None)
+    and (f["speculative"] == "head") == (f["draft_head"] is not None)
     and (f["cycle_log"] is None or f["speculative"] != "none"),
-    "--draft_model goes with --speculative=model (and only with it); --cycle_log needs "
-    "--speculative",
+    "--draft_model goes with --speculative=model and --draft_head with --speculative=head (and "
+    "only with them); --cycle_log needs --speculative",
 )  # fmt: skip
 
 flags.register_multi_flags_validator(
@@ -136,12 +147,17 @@ def speculative_config(
     max_gamma: int | None = None,
     acceptance: str = "rejection",
     draft_model: str | None = None,
+    draft_head: str | None = None,
+    target: ji.ModelConfig | None = None,
 ) -> ji.SpeculativeConfig | None:
-    """The flags' SpeculativeConfig; None for drafter "none"."""
+    """The flags' SpeculativeConfig; None for drafter "none". A head is checked against
+    `target` when given (ValueError naming the field of another target)."""
     if drafter == "none":
         return None
     if drafter == "model":
         drafter = ji.load_checkpoint(model_path(draft_model))
+    elif drafter == "head":
+        drafter = ji.speculative.heads.load_head(model_path(draft_head), target)
     n = num_speculative_tokens
     return ji.SpeculativeConfig(
         drafter=drafter, num_speculative_tokens=n if n == "auto" else int(n),
@@ -213,7 +229,7 @@ def main(argv):
     tok = ji.load_tokenizer(path)
     spec = speculative_config(
         _SPECULATIVE.value, _NUM_SPEC.value, _MAX_GAMMA.value, _ACCEPTANCE.value,
-        _DRAFT_MODEL.value,
+        _DRAFT_MODEL.value, _DRAFT_HEAD.value, cfg,
     )  # fmt: skip
     ecfg = engine_config(
         cfg, _BLOCK_SIZE.value, _NUM_BLOCKS.value, _MAX_NUM_SEQS.value, _MAX_BATCHED.value,

@@ -45,7 +45,7 @@ import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer import data
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.engine import SLO, MetricsCollector, speculation, workload
+from jaxinfer.engine import SLO, MetricsCollector, head_drafting, speculation, workload
 from jaxinfer.engine.cycles import warm_up
 from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
@@ -96,7 +96,11 @@ _SPEC = flags.DEFINE_list(
     "spec", [], "Speculative engines beside 'engine' (= speculation off): gammas or 'auto'."
 )
 _DRAFTER = flags.DEFINE_enum(
-    "drafter", "ngram", ["ngram", "model"], "Drafter of --spec ('model': the shipped draft)."
+    "drafter", "ngram", ["ngram", "model", "head"],
+    "Drafter of --spec ('model': the shipped draft; 'head': --draft_head).",
+)  # fmt: skip
+_DRAFT_HEAD = flags.DEFINE_string(
+    "draft_head", "smollm2-135m-eagle", "--drafter=head: a shipped head's name or a head folder."
 )
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ cap of --spec engines.", lower_bound=1)
 _PROMPTS = flags.DEFINE_enum(
@@ -112,7 +116,7 @@ flag_checks.number(_SLO_TTFT, above=0.0)
 flag_checks.number(_SLO_TPOT, above=0.0)
 
 SYSTEMS = ("static", "no_chunking", "no_prefix", "engine")
-_DRAFT_MODEL: list = []  # (cfg, params) of the model drafter, set by main
+_DRAFT_MODEL: list = []  # the model drafter's (cfg, params) or the head drafter, set by main
 _TABLES: dict = {}  # system -> the GammaController that `warm_spec` calibrated
 
 
@@ -139,6 +143,7 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS  # baselines run ("engine" = speculation off)
     spec: tuple[str, ...] = ()  # speculative engines "spec_<γ | auto>"
     drafter: str = "ngram"
+    draft_head: str | None = None  # with drafter "head": its name or folder
     max_gamma: int = 4
     prompts: str = "random"  # or "code": windows of the test split (`prompt_text`)
 
@@ -160,7 +165,7 @@ def spec_config(bc: BenchConfig, system: str) -> ji.SpeculativeConfig | None:
     if not system.startswith("spec_"):
         return None
     g = system.removeprefix("spec_")
-    drafter = _DRAFT_MODEL[0] if bc.drafter == "model" else "ngram"
+    drafter = _DRAFT_MODEL[0] if bc.drafter in ("model", "head") else "ngram"
     return ji.SpeculativeConfig(
         drafter=drafter,
         num_speculative_tokens=g if g == "auto" else int(g),
@@ -295,6 +300,7 @@ def resolve_config(description: str) -> BenchConfig:
         systems=tuple(_SYSTEMS.value),
         spec=tuple(_SPEC.value),
         drafter=_DRAFTER.value,
+        draft_head=_DRAFT_HEAD.value if _DRAFTER.value == "head" else None,
         max_gamma=_MAX_GAMMA.value,
         prompts=_PROMPTS.value,
     )
@@ -324,7 +330,7 @@ def derive_slo(cfg, params, bc: BenchConfig) -> SLO:
 def engine_compiles() -> int:
     """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror)."""
     fns = (engine_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
-           speculation._mirror)  # fmt: skip
+           speculation._mirror, head_drafting._draft, head_drafting._observe)  # fmt: skip
     return sum(f._cache_size() for f in fns)
 
 
@@ -525,6 +531,9 @@ def main(argv):
             raise ValueError(f"--spec={g!r}: expected 'auto' or an int in 0..{bc.max_gamma}")
     if bc.drafter == "model" and bc.spec:
         _DRAFT_MODEL.append(ji.load_checkpoint(ji.models.path("draft")))
+    if bc.drafter == "head" and bc.spec:
+        where = common.resolve_model(bc.draft_head)
+        _DRAFT_MODEL.append(ji.speculative.heads.load_head(where, cfg))
     warm_engine(cfg, params, engine_config(bc, "engine"), bc.max_len)
     warm_engine(cfg, params, engine_config(bc, "no_chunking"), bc.max_len)
     text = prompt_text(None if description.startswith("random") else description, bc)

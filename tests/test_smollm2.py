@@ -169,8 +169,9 @@ def test_generate_batch_of_ragged_prompts_matches_transformers(model, prompts, h
 
 def test_shipped_eagle_head_drafts_exactly(model, prompts, hf_reference):
     """The shipped EAGLE-style head (`smollm2-135m-eagle`) pairs with SmolLM2, and greedy
-    speculative decoding with it at batch 8 gives transformers' greedy tokens, prompt by prompt;
-    it drafts something the target accepts (a random head would not)."""
+    speculative decoding with it at batch 8 gives transformers' greedy tokens, prompt by prompt,
+    in the standalone loop and in the engine; it drafts something the target accepts in both (a
+    random head would not, nor one reading the wrong features)."""
     from jaxinfer.speculative import heads
 
     cfg, params = model
@@ -183,6 +184,12 @@ def test_shipped_eagle_head_drafts_exactly(model, prompts, hf_reference):
     hist = np.sum([o.accepted_histogram for o in outs], axis=0)
     tau = (np.arange(5) * hist).sum() / hist.sum() + 1
     assert tau > 1.5, hist  # measured ~2.3 tokens a cycle on test-split prompts
+    spec = ji.SpeculativeConfig(drafter=head, num_speculative_tokens=4)
+    engine = ji.Engine(cfg, params, ji.EngineConfig(num_blocks=257, speculative=spec))
+    for i, (out, want) in enumerate(zip(engine.generate(prompts, sampling), hf_reference[1])):
+        assert out.token_ids == want, f"engine, prompt {i} (len {LENS[i]})"
+    c = engine.spec_counters
+    assert c.accepted / c.cycles + 1 > 1.5, (c.cycles, c.accepted)  # τ of the engine's cycles
 
 
 # ------------------------------------------------------------------------------- as stored

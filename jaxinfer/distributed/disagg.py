@@ -279,6 +279,13 @@ class Disaggregated:
                 f"prefill block_size={prefill.block_size} != decode block_size="
                 f"{decode.block_size}: blocks move whole"
             )
+        spec = decode.speculative
+        if spec is not None and (spec.draft_model is not None or spec.draft_head is not None):
+            raise ValueError(
+                "decode EngineConfig.speculative with a draft model or drafter head is not "
+                "supported: the connector moves the target's KV blocks only, not the drafter's "
+                "cache or features; expected drafter='ngram'"
+            )
         p_engine = Engine(cfg, params, prefill, clock=clock)
         d_engine = Engine(cfg, params, decode, clock=clock)
         if connector is None:

@@ -39,8 +39,8 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
 
     Raises:
       ValueError: a degree the model does not fit (`tp_grid`, `shard_params` name the field), or
-        a speculative draft model with a mesh (its params and cache would stay on one device,
-        and a step cannot mix the two placements).
+        a speculative draft model or drafter head with a mesh (its params and cache would stay
+        on one device, and a step cannot mix the two placements).
     """
     cfg, config = engine.cfg, engine.config
     engine.params, mesh = prepare(cfg, engine.params, config.mesh)
@@ -51,9 +51,10 @@ def place_engine(engine) -> jax.sharding.Mesh | None:
     if mesh is None:
         return None
     spec = config.speculative
-    if spec is not None and spec.draft_model is not None:
+    if spec is not None and (spec.draft_model is not None or spec.draft_head is not None):
+        kind = "draft model" if spec.draft_model is not None else "drafter head"
         raise ValueError(
-            f"EngineConfig.mesh={config.mesh!r} with a speculative draft model is not supported: "
+            f"EngineConfig.mesh={config.mesh!r} with a speculative {kind} is not supported: "
             "expected mesh=None, or a drafter without a model (drafter='ngram')"
         )
     engine.step = functools.partial(_step_under_mesh, engine.step, mesh)

@@ -38,8 +38,10 @@ import numpy as np
 
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.cache.paged import init_cache
+from jaxinfer.engine.head_drafting import init_pool
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative.heads.lm import pair
 from jaxinfer.speculative.speedup import expected_tokens_per_cycle
 
 _WINDOW = 16  # step-time samples kept per cell
@@ -170,7 +172,7 @@ def init_speculation(engine, detokenize) -> None:
     """The engine's speculation state (`EngineConfig.speculative`): drafter cache, counters,
     controller, cycle log; all None without speculation."""
     spec = engine.spec = engine.config.speculative
-    engine.dcache = engine.draft_model = None
+    engine.dcache = engine.draft_model = engine.draft_head = None
     engine.spec_counters = engine.controller = engine.cycle_log = None
     engine._gamma, engine._predicted, engine._decoding = 0, {}, 0
     engine._observe = None  # (γ, batch) of a decode-only step, timed by Engine.step
@@ -186,6 +188,9 @@ def init_speculation(engine, detokenize) -> None:
             loop_layout(dparams, engine.platform) if engine.config.layout == "auto" else dparams,
         )
         engine.dcache = new_draft_cache(engine)
+    if spec.draft_head is not None:  # (hcfg, runtime params over the target's frozen head)
+        engine.draft_head = (spec.draft_head.cfg, pair(spec.draft_head, engine.cfg, engine.params))
+        engine.dcache = new_draft_cache(engine)
     engine.spec_counters = SpecCounters(spec.max_gamma)
     fixed = None if spec.auto else spec.num_speculative_tokens
     engine.controller = GammaController(spec.max_gamma, fixed, engine.spec_counters)
@@ -194,8 +199,14 @@ def init_speculation(engine, detokenize) -> None:
 
 
 def new_draft_cache(engine):
-    """An empty paged cache for the model drafter, with the target cache's block ids (see
-    speculation.py: one allocator for both), on the engine's platform."""
+    """An empty paged cache for the model drafter, or a head drafter's `HeadPool`, with the
+    target cache's block ids (see speculation.py: one allocator for both), on the engine's
+    platform."""
+    if engine.draft_head is not None:
+        return init_pool(
+            engine.draft_head[0], engine.config.num_blocks, engine.config.block_size,
+            engine.platform,
+        )  # fmt: skip
     dcfg = engine.config.speculative.draft_model[0]
     return init_cache(
         dcfg, engine.config.num_blocks, engine.config.block_size, platform=engine.platform

@@ -4,7 +4,8 @@ A step with speculation (`EngineConfig.speculative`):
 
 1. `Scheduler.schedule(lookahead=...)` gives each decoding request a γ (`num_lookahead`), 1 + γ
    tokens of the step's budget and KV slots for its γ draft positions (`reserve_lookahead`).
-2. **draft** (`_draft_model` or `_draft_ngram`, one jitted call): the n-gram drafter matches the
+2. **draft** (`_draft_model`, `_draft_ngram` or a head's `head_drafting._draft`, one jitted
+   call; heads: see `head_drafting.py`): the n-gram drafter matches the
    request's history (`drafters.ngram_propose`); the model drafter runs one ragged forward that
    mirrors the step's prefill chunks and plain decodes into its own cache and, for each drafting
    request, feeds its last two committed tokens, then γmax − 1 one-token steps
@@ -48,6 +49,7 @@ from jaxinfer.cache.metadata import (
 )
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import head_drafting
 from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.step import padded_shape
 from jaxinfer.model.decoder import forward
@@ -107,7 +109,9 @@ def _draft_model(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "backend", "acceptance"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("cfg", "backend", "acceptance", "return_hidden"),
+    donate_argnames=("cache",),
 )
 def _verify(
     params: dict,
@@ -125,12 +129,16 @@ def _verify(
     cfg: ModelConfig,
     backend: str,
     acceptance: str,
-) -> tuple[tuple[jax.Array, jax.Array], PagedKVCache]:
-    """The target's forward and acceptance: `((tokens [R, G] (-1 rows: non-finite), n [R]), cache)`.
+    return_hidden: bool = False,
+):
+    """The target's forward and acceptance: `((tokens [R, G] (-1 rows: non-finite), n [R]), cache)`
+    and, with return_hidden, the rows' features `[T, E]` as a third element (head drafters).
 
     The first `n[r]` of `tokens[r]` are committed (1 <= n <= γ + 1).
     """
-    logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [N, V]
+    logits, cache, *hidden = forward(
+        params, cfg, meta, cache, backend=backend, return_hidden=return_hidden
+    )  # [N, V]
     r, g = rows.shape
     x = logits[rows.reshape(-1)]  # [R·G, V]
     flat_sb = sb.take(jnp.repeat(jnp.arange(r), g))
@@ -155,7 +163,7 @@ def _verify(
 
         tokens, n = jax.lax.cond(jnp.any(use), rejection, lambda: (tokens, n))
     finite = finite_rows(x.reshape(r, g, -1))  # [R]
-    return (jnp.where(finite[:, None], tokens, -1), n), cache
+    return ((jnp.where(finite[:, None], tokens, -1), n), cache, *hidden)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -228,7 +236,10 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     dtok = np.zeros((bd, gstep), np.int32)
     sps_d = [engine._live[seqs[i].request_id].sampling for i in spec_idx]
     dm = engine.draft_model
-    if dm is not None:
+    if engine.draft_head is not None:
+        if spec_idx:
+            dtok, q = head_drafting.draft(engine, schedule, spec_idx, bd, gstep)
+    elif dm is not None:
         if spec_idx:
             cur = np.zeros(bd, np.int32)
             cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
@@ -303,11 +314,16 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     sps = [engine._live[seqs[i].request_id].sampling for i, _ in sample_rows]
     sb = SamplingBatch.from_params(sps, pad_to=b)
     engine.step_shapes[(t, b, m, g)] += 1
-    (tokens, n), engine.cache = _verify(
+    heads = engine.draft_head is not None
+    (tokens, n), engine.cache, *hidden = _verify(
         engine.params, engine.cache, meta, rows, sb, pos, index, draft, q, q_row, gam,
-        cfg=engine.cfg, backend=cfg.backend, acceptance=spec.acceptance,
+        cfg=engine.cfg, backend=cfg.backend, acceptance=spec.acceptance, return_hidden=heads,
     )  # fmt: skip
+    if heads:
+        head_drafting.observe(engine, meta, hidden[0])
     tokens, n = np.asarray(tokens), np.asarray(n)
+    if heads:
+        jax.block_until_ready(engine.dcache)  # the step includes the pool's update
     t2 = time.perf_counter()
     out = {}
     record = {"draft_ms": 1e3 * (t1 - t0), "verify_ms": 1e3 * (t2 - t1), "rows": {}}

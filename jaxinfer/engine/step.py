@@ -20,6 +20,7 @@ from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, bucket, build_metad
 from jaxinfer.cache.paged import PagedKVCache, copy_blocks
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.buckets import pad_tokens
+from jaxinfer.engine.head_drafting import HeadPool, copy_pool_blocks
 from jaxinfer.engine.scheduler import Schedule
 from jaxinfer.model.decoder import forward
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
@@ -68,7 +69,10 @@ def _step_logprobs(
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+def _copy(cache, src: jax.Array, dst: jax.Array):
+    """`copy_blocks` of a paged cache or of a head drafter's `HeadPool`."""
+    if isinstance(cache, HeadPool):
+        return copy_pool_blocks(cache, src, dst)
     return copy_blocks(cache, src, dst)
 
 

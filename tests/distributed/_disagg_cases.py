@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 import jaxinfer as ji  # noqa: E402
 from jaxinfer.config import preset  # noqa: E402
 from jaxinfer.distributed.disagg import Disaggregated  # noqa: E402
+from jaxinfer.speculative import heads  # noqa: E402
 from tests.helpers import random_params  # noqa: E402
 
 CFG = preset("tiny-llama").replace(num_heads=8, num_kv_heads=2, head_dim=16, eos_token_id=None)
@@ -178,6 +179,10 @@ def test_refusals():
         )  # fmt: skip
     with pytest.raises(ValueError, match="block_size"):
         Disaggregated(CFG, _params(), ECFG, dataclasses.replace(ECFG, block_size=8))
+    hcfg = heads.head_config_for(CFG, "eagle")
+    spec = ji.SpeculativeConfig(drafter=heads.Head(hcfg, heads.init_eagle(hcfg, jax.random.key(0))))
+    with pytest.raises(ValueError, match="draft model or drafter head is not supported"):
+        Disaggregated(CFG, _params(), ECFG, dataclasses.replace(ECFG, speculative=spec))
     d = _disagg()
     with pytest.raises(ValueError, match="n=2"):
         d.add_request([1, 2, 3], ji.SamplingParams(n=2, max_tokens=3))

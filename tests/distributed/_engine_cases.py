@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 import jaxinfer as ji  # noqa: E402
 from jaxinfer.config import preset  # noqa: E402
 from jaxinfer.distributed.engine_mesh import cache_layout  # noqa: E402
+from jaxinfer.speculative import heads  # noqa: E402
 from tests.helpers import random_params  # noqa: E402
 
 # 8 query heads, 2 KV heads: degree 2 splits the KV heads, degree 4 replicates each twice.
@@ -116,6 +117,11 @@ def test_refusals_name_the_cause():
         ji.Engine(CFG, _params(), dataclasses.replace(ECFG, mesh=8))
     spec = ji.SpeculativeConfig(drafter=(CFG, _params()), num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"EngineConfig.mesh=2 with a speculative draft model"):
+        ji.Engine(CFG, _params(), dataclasses.replace(ECFG, mesh=2, speculative=spec))
+    hcfg = heads.head_config_for(CFG, "medusa")
+    head = heads.Head(hcfg, heads.init_medusa(hcfg, jax.random.key(0)))
+    spec = ji.SpeculativeConfig(drafter=head, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"EngineConfig.mesh=2 with a speculative drafter head"):
         ji.Engine(CFG, _params(), dataclasses.replace(ECFG, mesh=2, speculative=spec))
 
 

@@ -33,6 +33,8 @@ def _spawn(*flags):
         ["--speculative=ngram", "--num_speculative_tokens=5", "--max_gamma=4"],
         ["--cycle_log=cycles.jsonl"],  # without --speculative
         ["--speculative=model"],  # without --draft_model
+        ["--speculative=head"],  # without --draft_head
+        ["--speculative=head", "--draft_head=no-such-head"],
     ],
 )  # fmt: skip
 def test_bad_flags_fail_at_parse_time(flags):

@@ -111,15 +111,40 @@ def draft_eagle(
     out, cache = eagle_paged(rp, hcfg, batch, cache, prev, backend)
     feat = out[batch.logits_indices]  # [B, E] ĥ_cur
     tok, q = pick(feature_logits(rp, hcfg, feat), 0)
+    cache, toks, qs = eagle_feed(
+        rp, hcfg, cache, tok, feat, cur, tables, pick, jnp.arange(1, gamma),
+        block_size=block_size, backend=backend,
+    )  # fmt: skip
+    tokens = jnp.concatenate([tok[:, None], toks], axis=1)  # [B, γ]
+    q_all = jnp.concatenate([q[:, None], qs], axis=1)  # [B, γ, V]
+    return cache, tokens, q_all
+
+
+def eagle_feed(
+    rp: dict,
+    hcfg: HeadConfig,
+    cache: PagedKVCache,
+    tok: jax.Array,  # [B] int32 the token at position cur + js[0]
+    feat: jax.Array,  # [B, E] the feature of the position before it
+    cur: jax.Array,  # [B] int32
+    tables: jax.Array,  # [B, M] int32
+    pick,
+    js: jax.Array,  # [n] int32 draft indices, consecutive
+    *,
+    block_size: int,
+    backend: str,
+) -> tuple[PagedKVCache, jax.Array, jax.Array]:
+    """Single-row steps feeding the head its own drafts: step j writes the row of position
+    cur + j from (token, previous feature), and its ĥ drafts index j (position cur + 1 + j).
+    -> (cache, tokens `[B, n]`, q `[B, n, V]`). The loop starts at j = 1 (its catch-up drafted
+    index 0); the engine starts at j = 0 from (t_cur, h_{cur−1})."""
 
     def step(carry, j):
         cache, tok, feat = carry
-        batch = decode_batch(tok, cur + j, tables, block_size)  # d_{j-1} sits at cur + j
+        batch = decode_batch(tok, cur + j, tables, block_size)  # the token at position cur + j
         feat, cache = eagle_paged(rp, hcfg, batch, cache, feat, backend)
         new, q = pick(feature_logits(rp, hcfg, feat), j)
         return (cache, new, feat), (new, q)
 
-    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, feat), jnp.arange(1, gamma))
-    tokens = jnp.concatenate([tok[:, None], jnp.moveaxis(toks, 0, 1)], axis=1)  # [B, γ]
-    q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)  # [B, γ, V]
-    return cache, tokens, q_all
+    (cache, _, _), (toks, qs) = jax.lax.scan(step, (cache, tok, feat), js)
+    return cache, jnp.moveaxis(toks, 0, 1), jnp.moveaxis(qs, 0, 1)

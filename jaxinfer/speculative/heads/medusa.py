@@ -58,7 +58,12 @@ def draft_medusa(rp: dict, hcfg: HeadConfig, feats: jax.Array, cur: jax.Array, p
       (tokens `[B, γ]` int32, q `[B, γ, V]` float32).
     """
     b = cur.shape[0]
-    h = feats[jnp.arange(b), cur - 1]  # [B, E]
+    return draft_medusa_from(rp, hcfg, feats[jnp.arange(b), cur - 1], pick, gamma=gamma)
+
+
+def draft_medusa_from(rp: dict, hcfg: HeadConfig, h: jax.Array, pick, *, gamma: int):
+    """γ drafts from the features `h [B, E]` of position cur − 1 -> (tokens `[B, γ]`, q
+    `[B, γ, V]`); `draft_medusa` gathers h from the loop's features, the engine from its pool."""
     logits = medusa_logits(rp, hcfg, h, gamma)  # [B, γ, V]
     toks, qs = [], []
     for j in range(gamma):  # γ is small and static; each pick keys its noise by j

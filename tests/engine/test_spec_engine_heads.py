@@ -1,0 +1,212 @@
+"""Learned drafter heads (Medusa, EAGLE-style, EAGLE with a draft vocabulary) inside the engine
+(issue 17, on issue 16's engine speculation): greedy and coupled token identity with plain
+generation under preemption, prefix caching and chunked prefill; the drafts are the head's own
+(each cycle's first draft equals the dense head's argmax over the committed history, so the
+engine's feature pool and head cache hold what they should after prefix hits, preemption and
+copy-on-write); exact rejection sampling by a chi-square test with a negative control; bad
+configurations refused by name.
+
+Heads are random: exactness holds for any drafter, and the first-draft check needs no training.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from experiments.engine_cycles import read_engine_log
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+from jaxinfer.model.decoder import forward_dense
+from jaxinfer.speculative import heads
+from tests.engine.test_spec_engine import SIGNIFICANCE, TINY, _ecfg, _joint, _prompts, _pvalue
+from tests.helpers import random_params
+
+KINDS = ("medusa", "eagle", "eagle-vocab")
+
+
+@functools.cache
+def _target():
+    return ji.load_checkpoint(ji.models.path("target"))
+
+
+def _make_head(cfg, kind: str, seed: int = 5, std: float | None = None) -> heads.Head:
+    key = jax.random.key(seed)
+    if kind == "medusa":
+        hc = heads.head_config_for(cfg, "medusa", num_medusa_heads=4)
+        return heads.Head(hc, heads.init_medusa(hc, key, std=0.3 if std is None else std))
+    n = min(48, cfg.vocab_size // 2)
+    extra = {"draft_vocab_size": n} if kind == "eagle-vocab" else {}
+    hc = heads.head_config_for(cfg, "eagle", intermediate_size=48, **extra)
+    hp = heads.init_eagle(hc, key, std=0.2 if std is None else std)
+    if extra:
+        perm = np.random.RandomState(0).permutation(cfg.vocab_size)[:n]
+        hp["vocab_ids"] = jnp.asarray(perm, jnp.int32)
+    return heads.Head(hc, hp)
+
+
+@functools.cache
+def _head(kind: str) -> heads.Head:
+    return _make_head(_target()[0], kind)
+
+
+@functools.cache
+def _greedy_ref():
+    cfg, params = _target()
+    sp = ji.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return sp, [o.token_ids for o in ji.generate(cfg, params, _prompts(cfg), sp)]
+
+
+def _dense_first_logits(cfg, tparams, head: heads.Head, seq: list[int]) -> np.ndarray:
+    """The head's logits `[V]` for the token after `seq`, from the dense forms (features of the
+    whole prefix by `forward_dense`): what its first draft in a cycle at cur = len(seq) − 1
+    must be the argmax of."""
+    rp = heads.pair(head, cfg, tparams)
+    _, hidden = forward_dense(tparams, cfg, jnp.asarray([seq]), return_hidden=True)  # [1, P, E]
+    if head.cfg.kind == "medusa":  # all drafts from h_{cur−1}; head 0 drafts position cur + 1
+        logits = heads.medusa_logits(rp, head.cfg, hidden[0, -2], 1)[0]
+    else:  # row t reads (token t, feature t − 1)
+        prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+        feat = heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)[0, -1]
+        logits = heads.feature_logits(rp, head.cfg, feat)
+    return np.asarray(logits, np.float64)
+
+
+# ------------------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize(
+    "kind, gamma, chunk", [("medusa", 3, 7), ("eagle", 1, 1), ("eagle", 3, 7), ("eagle-vocab", 2, 64)]
+)
+def test_greedy_equals_generate_and_drafts_are_the_heads(kind, gamma, chunk, tmp_path):
+    cfg, params = _target()
+    prompts = _prompts(cfg)
+    sp, want = _greedy_ref()
+    log = str(tmp_path / "cycles.jsonl")
+    head = _head(kind)
+    spec = SpeculativeConfig(drafter=head, num_speculative_tokens=gamma)
+    engine = Engine(cfg, params, _ecfg(spec, chunk, cycle_log=log))
+    got = engine.generate(prompts, sp)
+    assert [o.token_ids for o in got] == want  # request by request
+    assert engine.num_preemptions > 0
+    assert engine.allocator.prefix_cache_hits > 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.num_used_blocks == 0
+    # Each drafting cycle's first draft is the head's greedy choice after the committed history.
+    assert _check_first_drafts(log, cfg, params, head, got, prompts) == engine.spec_counters.cycles
+    assert engine.spec_counters.cycles > 10
+
+
+def _check_first_drafts(log, cfg, params, head, outs, prompts) -> int:
+    """Asserts that every drafting cycle's first draft in the cycle log is the dense head's
+    argmax (within 1e-4 of its max logit) after that sample's committed history, and that the
+    histories rebuilt from the log are the outputs; returns the cycles checked."""
+    hist = {}
+    for o, p in zip(outs, prompts):
+        for j in range(len(o.samples)):
+            hist[o.request_id, j] = list(p)
+    checked = 0
+    for rec in read_engine_log(log):
+        seq = hist[rec["request_id"], rec["sample_index"]]
+        if rec["gamma"] > 0:
+            logits = _dense_first_logits(cfg, params, head, seq)
+            d = rec["proposed"][0]
+            assert logits[d] >= logits.max() - 1e-4, (rec["step"], d, int(logits.argmax()))
+            checked += 1
+        seq.extend(rec["committed"])
+    for o, p in zip(outs, prompts):
+        for j, s in enumerate(o.samples):
+            assert hist[o.request_id, j][len(p) :] == s.token_ids
+    return checked
+
+
+def test_n_forks_and_copy_on_write_stay_exact(tmp_path):
+    """n = 2 forks share the prompt's blocks (copy-on-write copies the pool's blocks too) and
+    each speculates on its own, from its own features."""
+    cfg, params = _target()
+    prompts = [_prompts(cfg)[1]]  # 13 tokens: the forks share a partly filled last block
+    plain = ji.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = ji.generate(cfg, params, prompts, plain)[0].token_ids
+    log = str(tmp_path / "cycles.jsonl")
+    head = _head("eagle")
+    spec = SpeculativeConfig(drafter=head, num_speculative_tokens=2)
+    engine = Engine(cfg, params, _ecfg(spec, 7, cycle_log=log))
+    fork = ji.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    outs = engine.generate(prompts, fork)
+    assert [s.token_ids for s in outs[0].samples] == [ref] * 2
+    assert _check_first_drafts(log, cfg, params, head, outs, prompts) > 4
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_coupled_sampling_equals_plain_sampling(kind):
+    cfg, params = _target()
+    prompts = _prompts(cfg)
+    sps = [
+        ji.SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=s)
+        for s in range(len(prompts))
+    ]
+    want = [o.token_ids for o in ji.generate(cfg, params, prompts, sps)]
+    spec = SpeculativeConfig(drafter=_head(kind), num_speculative_tokens=3, acceptance="coupled")
+    engine = Engine(cfg, params, _ecfg(spec, 7))
+    assert [o.token_ids for o in engine.generate(prompts, sps)] == want
+    assert engine.spec_counters.proposed > 0
+
+
+# --------------------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_rejection_sampling_is_exact_chi_square(kind, tmp_path):
+    """As test_spec_engine's chi-square test, with a head on a vocabulary-8 target: the committed
+    (t1, t2) follow the declared joint law; the drafted tokens (q, not p) must be rejected."""
+    tparams = random_params(TINY, seed=1, std=0.6)
+    head = _make_head(TINY, kind, seed=3, std=1.0)
+    prompt, temperature, num = [1, 2, 3, 4, 5], 1.0, 2000
+    law = _joint(tparams, prompt, temperature)
+    log = str(tmp_path / "cycles.jsonl")
+    spec = SpeculativeConfig(drafter=head, num_speculative_tokens=1)
+    engine = Engine(
+        TINY,
+        tparams,
+        EngineConfig(
+            block_size=4, num_blocks=256, max_num_seqs=64, max_num_batched_tokens=128,
+            min_token_bucket=128, min_block_bucket=4, min_seq_bucket=64, speculative=spec,
+            cycle_log=log,
+        ),
+    )  # fmt: skip
+    sps = [ji.SamplingParams(temperature=temperature, max_tokens=3, seed=s) for s in range(num)]
+    outs = engine.generate([prompt] * num, sps)
+    counts = np.zeros((8, 8), np.int64)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    assert _pvalue(counts, law) > SIGNIFICANCE
+    first = {o.request_id: o.token_ids[0] for o in outs}
+    wrong = np.zeros((8, 8), np.int64)
+    for rec in read_engine_log(log):
+        if rec["gamma"] == 1:
+            wrong[first[rec["request_id"]], rec["proposed"][0]] += 1
+    assert wrong.sum() > num // 2
+    assert _pvalue(wrong, law) < SIGNIFICANCE
+    assert 0 < engine.spec_counters.accepted < engine.spec_counters.proposed
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_head_configuration_is_a_value_error():
+    cfg, params = _target()
+    medusa = _head("medusa")  # K = 4 heads
+    with pytest.raises(ValueError, match="max_gamma=5 exceeds the medusa head's num_medusa_heads=4"):
+        SpeculativeConfig(drafter=medusa, num_speculative_tokens=5)
+    other = _make_head(cfg.replace(hidden_size=cfg.hidden_size * 2), "eagle")
+    with pytest.raises(ValueError, match="hidden_size"):
+        Engine(cfg, params, EngineConfig(speculative=SpeculativeConfig(drafter=other)))
+    bad = heads.Head({"kind": "eagle"}, {})
+    with pytest.raises(ValueError, match="HeadConfig"):
+        SpeculativeConfig(drafter=bad)
+    with pytest.raises(ValueError, match="drafter='head'|expected 'ngram'"):
+        SpeculativeConfig(drafter="head")
