@@ -15,8 +15,9 @@ in-flight requests --shutdown_timeout seconds, aborts the rest, and exits 0.
 
 --speculative=ngram (prompt lookup), =model (with --draft_model) or =head (a learned Medusa or
 EAGLE-style head trained for the model, with --draft_head: a shipped head's name, e.g.
-smollm2-135m-eagle, or a head folder) serves with speculative decoding (`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and
-step, or `auto` (the engine's controller picks γ in 0..--max_gamma every step; --warmup then also
+smollm2-135m-eagle, or a head folder) serves with speculative decoding
+(`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and step,
+or `auto` (the engine's controller picks γ in 0..--max_gamma every step; --warmup then also
 measures its step-time table). /metrics then has the acceptance counters (drafts, draft and
 accepted tokens, per position) and the γ of each step; --cycle_log writes the engine's JSONL
 record of every request's every speculative step (jaxinfer/engine/cycles.py). --request_log

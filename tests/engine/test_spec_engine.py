@@ -195,16 +195,15 @@ def _pvalue(counts: np.ndarray, law: np.ndarray) -> float:
     return float(chi2.sf(np.sum((obs - exp) ** 2 / exp), len(obs) - 1))
 
 
-def test_rejection_sampling_is_exact_chi_square(tmp_path):
-    """The committed (t1, t2) follow the declared joint law; t2 is the γ = 1 cycle's commit
-    (an accepted draft or the correction). Negative control: the drafted tokens themselves
-    (a speculation that accepted everything) follow q, and the same test must reject them."""
-    tparams = random_params(TINY, seed=1, std=0.6)
-    dparams = random_params(TINY, seed=2, std=0.6)
+def check_rejection_chi_square(tparams, drafter, tmp_path) -> None:
+    """The committed (t1, t2) of 2000 seeds at T = 1 on `TINY` follow the declared joint law;
+    t2 is the γ = 1 cycle's commit (an accepted draft or the correction). Negative control: the
+    drafted tokens themselves (a speculation that accepted everything) follow q, and the same
+    test must reject them. Shared with the head drafters' test."""
     prompt, temperature, num = [1, 2, 3, 4, 5], 1.0, 2000
     law = _joint(tparams, prompt, temperature)
     log = str(tmp_path / "cycles.jsonl")
-    spec = SpeculativeConfig(drafter=(TINY, dparams), num_speculative_tokens=1)
+    spec = SpeculativeConfig(drafter=drafter, num_speculative_tokens=1)
     engine = Engine(
         TINY,
         tparams,
@@ -229,6 +228,13 @@ def test_rejection_sampling_is_exact_chi_square(tmp_path):
     assert wrong.sum() > num // 2
     assert _pvalue(wrong, law) < SIGNIFICANCE
     assert 0 < engine.spec_counters.accepted < engine.spec_counters.proposed
+
+
+def test_rejection_sampling_is_exact_chi_square(tmp_path):
+    """`check_rejection_chi_square` with a random draft model."""
+    tparams = random_params(TINY, seed=1, std=0.6)
+    dparams = random_params(TINY, seed=2, std=0.6)
+    check_rejection_chi_square(tparams, (TINY, dparams), tmp_path)
 
 
 # --------------------------------------------------------------------------- cycle log
