@@ -9,7 +9,7 @@ import importlib
 
 # ---------------------------------------------------------------- config & model
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config, preset, to_hf_config
-from jaxinfer.model import forward, forward_dense, inference_layout, init_params
+from jaxinfer.model import cpu_layout, forward, forward_dense, inference_layout, init_params
 
 # ---------------------------------------------------------------- cache
 from jaxinfer.cache.metadata import BatchMetadata, SeqChunk, build_metadata
@@ -55,12 +55,14 @@ __all__ = [
     "SeqChunk",
     "Tokenizer",
     "build_metadata",
+    "cpu_layout",
     "forward",
     "forward_dense",
     "from_hf_config",
     "generate",
     "init_cache",
     "inference_layout",
+    "cpu_layout",
     "init_params",
     "load_checkpoint",
     "load_tokenizer",

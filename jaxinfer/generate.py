@@ -82,7 +82,7 @@ def _generate_core(
 ):
     b, m = tables.shape
     rows = jnp.arange(b)
-    params = loop_layout(params, platform)  # sliced once, outside the decode loop
+    params = loop_layout(params, platform, mesh)  # sliced once, outside the decode loop
     cache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
     if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
         cache = constrain_cache(cfg, cache, mesh)

@@ -29,21 +29,29 @@ import numpy as np
 
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.config import ModelConfig
+from jaxinfer.ops.linear import linear
+from jaxinfer.transposed import TransposedDense
 
 MARGIN = 0.1  # keep a bucket when it saves at least this fraction of the next kept one's cost
 _REPEATS = 15  # timed calls per T; the table keeps the minimum (the least disturbed)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
-def _probe(w: jax.Array, rows: int) -> jax.Array:
+def _probe(w, rows: int) -> jax.Array:
     x = jnp.ones((rows, w.shape[0]), w.dtype)  # [T, E]
-    return x @ w  # [T, V]
+    return linear(x, w)  # [T, V]
 
 
-def cost_table(cfg: ModelConfig, sizes: Sequence[int]) -> dict[int, float]:
-    """Seconds of one `[T, E] @ [E, V]` product (the output projection, the model's dtype) for
-    each T in `sizes`, the minimum of `_REPEATS` round-robin calls after a compiling one."""
-    w = jnp.ones((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)  # [E, V]
+def cost_table(
+    cfg: ModelConfig, sizes: Sequence[int], transposed: bool = False
+) -> dict[int, float]:
+    """Seconds of one `[T, E] @ [E, V]` product (the output projection, the model's dtype; held
+    as a `TransposedDense` when `transposed`, as the CPU layout holds it) for each T in `sizes`,
+    the minimum of `_REPEATS` round-robin calls after a compiling one."""
+    if transposed:
+        w = TransposedDense(jnp.ones((cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype))  # [V, E]
+    else:
+        w = jnp.ones((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)  # [E, V]
     for t in sizes:
         _probe(w, t).block_until_ready()  # compiles
     table = dict.fromkeys(sizes, np.inf)
@@ -67,15 +75,18 @@ def choose_buckets(table: dict[int, float], margin: float = MARGIN) -> tuple[int
 
 
 @functools.lru_cache(maxsize=64)
-def measure_token_buckets(cfg: ModelConfig, lo: int, hi: int = 16) -> tuple[int, ...]:
+def measure_token_buckets(
+    cfg: ModelConfig, lo: int, hi: int = 16, transposed: bool = False
+) -> tuple[int, ...]:
     """The token buckets for T up to `bucket(hi)`, from `lo` (a power of two is taken above it),
-    chosen by a measured cost table. Measured once per (cfg, lo, hi) in a process, so engines
-    built alike (a benchmark's, a warm-up's) pad alike and share their compilations."""
+    chosen by a measured cost table (of the head's layout, `transposed` or not). Measured once
+    per arguments in a process, so engines built alike (a benchmark's, a warm-up's) pad alike and
+    share their compilations."""
     lo, hi = bucket(lo), bucket(max(lo, hi))
     sizes = [1 << k for k in range(lo.bit_length() - 1, hi.bit_length())]
     if len(sizes) == 1:
         return (lo,)
-    return choose_buckets(cost_table(cfg, sizes))
+    return choose_buckets(cost_table(cfg, sizes, transposed))
 
 
 def pad_tokens(n: int, buckets: Sequence[int]) -> int:

@@ -66,7 +66,7 @@ from jaxinfer.engine.step import (  # noqa: F401  (_step, _copy, _copy_groups: r
     apply_copies,
     build_batch,
 )
-from jaxinfer.model.params import check_params, remembered_loop_layout
+from jaxinfer.model.params import check_params, lm_head, remembered_loop_layout
 from jaxinfer.ops.backend import resolve_platform
 from jaxinfer.requests import (
     GenerationOutput,
@@ -76,6 +76,7 @@ from jaxinfer.requests import (
     validate_requests,
 )
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.transposed import TransposedDense
 
 
 @dataclasses.dataclass
@@ -115,20 +116,25 @@ class Engine:
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         check_params(cfg, params)
         self.cfg, self.params, self.config = cfg, params, config
-        # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py).
-        lo = config.min_token_bucket
-        self.token_buckets = (
-            measure_token_buckets(cfg, lo) if config.token_buckets == "measured" else (bucket(lo),)
-        )  # fmt: skip
         self.clock = clock
         S, nb = config.block_size, config.num_blocks
         self.platform = resolve_platform()  # once: every cache of this engine is for it
         self.mesh = place_engine(self)  # the cache; with EngineConfig.mesh, all on the TP mesh
-        # On a CPU the step runs on `inference_layout` (config.layout): a scan over stacked
-        # weights copies them every step (experiments/engine_step_profile.py). Not measured on a
-        # TP mesh: the params stay as placed there.
+        # On a CPU the step runs on `cpu_layout` (config.layout): a scan over stacked weights
+        # copies them every step (experiments/engine_step_profile.py), and transposed weights
+        # cost less at a few rows (jaxinfer.transposed). Not measured on a TP mesh: the params
+        # stay as placed there.
         if config.layout == "auto" and self.mesh is None:
             self.params = remembered_loop_layout(self.params, self.platform)  # as ji.generate
+        # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py), timed
+        # on the head's layout the step runs on.
+        lo = config.min_token_bucket
+        transposed = isinstance(lm_head(self.params), TransposedDense)
+        self.token_buckets = (
+            measure_token_buckets(cfg, lo, transposed=transposed)
+            if config.token_buckets == "measured"
+            else (bucket(lo),)
+        )
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)

@@ -12,6 +12,8 @@ Axis glossary, used in every shape comment of the project:
 """
 
 from jaxinfer.model.decoder import forward, forward_dense
-from jaxinfer.model.params import inference_layout, init_params, param_shapes
+from jaxinfer.model.params import cpu_layout, inference_layout, init_params, param_shapes
 
-__all__ = ["forward", "forward_dense", "inference_layout", "init_params", "param_shapes"]
+__all__ = [
+    "cpu_layout", "forward", "forward_dense", "inference_layout", "init_params", "param_shapes"
+]

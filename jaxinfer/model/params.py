@@ -21,6 +21,12 @@ weight traffic, and `x @ embed.T` compiles to a slower product than one against 
 `[E, V]`. A program that runs one step per call (the engine's) measured no faster with it.
 `loop_layout` applies it on a CPU only (the copy would double the weights' memory on a GPU,
 where it has not been measured).
+
+On a CPU (one device) the loops and the engine go one step further, `cpu_layout`: every dense
+projection is held transposed, `[out, in]`, in a `jaxinfer.transposed.TransposedDense`, which
+`ops.linear` applies by a pass over the weight that costs ~1.2-1.6x a GEMV at 2-32 rows, where
+`x @ w` costs 2-4x (verification, batched decode, the engine's padded steps). A tied head is then
+the embedding table itself, read in its stored `[V, E]` layout.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.qtensor import is_quantized
+from jaxinfer.transposed import TransposedDense, transpose_dense
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -186,21 +193,49 @@ def inference_layout(params: dict) -> dict:
     return out
 
 
-def loop_layout(params: dict, platform: str) -> dict:
-    """`inference_layout(params)` when running on a CPU; `params` unchanged on other platforms.
+def cpu_layout(params: dict) -> dict:
+    """`inference_layout(params)` with every dense projection held transposed (module docstring).
+
+    The layer projections (`LINEAR_NAMES`) and the head become `TransposedDense`; the head keeps
+    its `[E, V]` form beside (for one-row products), and a tied head's `[V, E]` is the embedding's
+    own array. Quantized weights, norms, biases and the embedding are unchanged. Idempotent.
+    """
+    if isinstance(params.get("lm_head"), TransposedDense):
+        return params
+    tied = "lm_head" not in params
+    out = inference_layout(params)  # a tied head materialised [E, V]
+
+    def t(w, keep=False):
+        return transpose_dense(w, keep) if isinstance(w, jax.Array) and w.ndim == 2 else w
+
+    out["layers"] = tuple(
+        {k: t(v) if k in LINEAR_NAMES else v for k, v in layer.items()} for layer in out["layers"]
+    )
+    if tied:  # the embedding [V, E] is the head's [out, in] already
+        out["lm_head"] = TransposedDense(params["embed"], out["lm_head"])
+    else:  # the head keeps [E, V] too: its one-row product is faster so (jaxinfer.transposed)
+        out["lm_head"] = t(out["lm_head"], keep=True)
+    return out
+
+
+def loop_layout(params: dict, platform: str, mesh=None) -> dict:
+    """The layout the compiled decode loops run on: `cpu_layout` on a CPU with one device,
+    `inference_layout` on a CPU tensor-parallel mesh (`mesh`: its sharding rules name the
+    `[in, out]` leaves), `params` unchanged on other platforms.
 
     The compiled decode loops call this with the platform their entry point resolved
     (`ops.backend.resolve_platform`), a static value: nothing traced reads the platform. The
     layout's gain was measured on XLA's CPU backend. On a GPU the copy would double the weights'
     memory for the whole loop, and nothing has been measured there yet.
     """
-    return inference_layout(params) if platform == "cpu" else params
+    if platform != "cpu":
+        return params
+    return inference_layout(params) if mesh is not None else cpu_layout(params)
 
 
 # The last stored params pytree `remembered_loop_layout` laid out: (weak references to its leaves,
 # its treedef, the laid-out pytree). One entry; dropped when the stored params are freed.
 _REMEMBERED: list = []
-_jitted_layout = jax.jit(inference_layout)
 
 
 def remembered_loop_layout(params: dict, platform: str) -> dict:
@@ -213,8 +248,7 @@ def remembered_loop_layout(params: dict, platform: str) -> dict:
     as long as the stored params (it is released with them, or when another pytree comes).
     Params already in the layout, params off a CPU and traced params pass through unchanged.
     """
-    layers = params["layers"]
-    if platform != "cpu" or (isinstance(layers, tuple | list) and "lm_head" in params):
+    if platform != "cpu" or isinstance(params.get("lm_head"), TransposedDense):
         return params
     leaves, treedef = jax.tree.flatten(params)
     if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
@@ -224,9 +258,15 @@ def remembered_loop_layout(params: dict, platform: str) -> dict:
         if tdef == treedef and len(refs) == len(leaves):
             if all(r() is x for r, x in zip(refs, leaves)):
                 return laid_out
-    laid_out = _jitted_layout(params)
+    laid_out = cpu_layout(params)  # eagerly: leaves it does not change stay shared
+    # Forgotten when a stored leaf the layout does not hold is freed (a shared one never is:
+    # the remembered layout holds it).
+    held = {id(x) for x in jax.tree.leaves(laid_out)}
+    own = [x for x in leaves if id(x) not in held]
+    if not own:  # the layout copied nothing (unrolled, quantized, tied): nothing to remember
+        return laid_out
     _REMEMBERED[:] = [([weakref.ref(x) for x in leaves], treedef, laid_out)]
-    weakref.finalize(leaves[0], _forget, id(laid_out))
+    weakref.finalize(own[0], _forget, id(laid_out))
     return laid_out
 
 
@@ -236,7 +276,8 @@ def _forget(laid_out_id: int) -> None:
 
 
 def lm_head(params: dict):
-    """The output projection `[E, V]` (the transposed embedding when tied)."""
+    """The output projection `[E, V]` (the transposed embedding when tied; a `TransposedDense`
+    or a quantized weight where the params hold one)."""
     if "lm_head" in params:
         return params["lm_head"]
     return params["embed"].T

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import transposed
 from jaxinfer.ops.backend import is_pallas, resolve_backend
 from jaxinfer.qtensor import (
     Int4Weight,
@@ -24,7 +25,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 
     Args:
       x: activations `[..., in]`.
-      w: a dense `[in, out]` array or a quantized weight pytree (see `jaxinfer.qtensor`).
+      w: a dense `[in, out]` array, a `TransposedDense`, or a quantized weight pytree (see
+        `jaxinfer.qtensor`).
       b: optional bias `[out]`.
       backend: for quantized weights, "xla" and "reference" dequantize and dot in XLA; "pallas"
         and "pallas-interpret" run the kernels of `pallas_kernels`; "auto" picks Pallas on GPU.
@@ -34,6 +36,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
     """
     if isinstance(w, jax.Array | jnp.ndarray):
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    elif isinstance(w, transposed.TransposedDense):
+        y = transposed.apply(x, w)
     elif _has_kernel(w) and is_pallas(backend := resolve_backend(backend)):
         # Not a cycle breaker: the Pallas backend (and Pallas itself) loads only when it is used.
         from jaxinfer.ops import pallas

@@ -40,6 +40,8 @@ def test_measure_token_buckets_range():
     assert measure_token_buckets(CFG, 64) == (64,)
     got = measure_token_buckets(CFG, 3)  # from 4 up to 16
     assert got[-1] == 16 and set(got) <= {4, 8, 16} and list(got) == sorted(got)
+    got = measure_token_buckets(CFG, 1, transposed=True)  # the CPU layout's head, [V, E]
+    assert got[-1] == 16 and set(got) <= {1, 2, 4, 8, 16} and list(got) == sorted(got)
 
 
 @pytest.mark.parametrize(

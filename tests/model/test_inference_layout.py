@@ -9,9 +9,10 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
-from jaxinfer.model.params import LINEAR_NAMES, inference_layout, loop_layout
-from jaxinfer.qtensor import Int4Weight
+from jaxinfer.model.params import LINEAR_NAMES, cpu_layout, inference_layout, loop_layout
+from jaxinfer.qtensor import Int4Weight, Int8Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
+from jaxinfer.transposed import TransposedDense
 from tests.helpers import random_params
 
 BLOCK = 8
@@ -49,8 +50,9 @@ def _quantized(params):
     return dict(params, layers=layers)
 
 
+@pytest.mark.parametrize("layout", [inference_layout, cpu_layout])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_unrolled_forward_equals_stacked(quantized):
+def test_unrolled_forward_equals_stacked(quantized, layout):
     cfg = ji.preset("tiny-qwen2")  # biases and a tied head: every leaf kind is laid out
     params = random_params(cfg, seed=5)
     if quantized:
@@ -58,7 +60,7 @@ def test_unrolled_forward_equals_stacked(quantized):
     rng = np.random.RandomState(1)
     seqs = [rng.randint(0, cfg.vocab_size, n).tolist() for n in (19, 6, 33)]
     (pre_s, dec_s), cache_s = _prefill_and_decode(cfg, params, seqs)
-    (pre_u, dec_u), cache_u = _prefill_and_decode(cfg, inference_layout(params), seqs)
+    (pre_u, dec_u), cache_u = _prefill_and_decode(cfg, layout(params), seqs)
     assert np.all(np.isfinite(pre_s)) and np.all(np.isfinite(dec_s))
     np.testing.assert_allclose(pre_u, pre_s, atol=1e-5, rtol=0)
     np.testing.assert_allclose(dec_u, dec_s, atol=1e-5, rtol=0)
@@ -110,8 +112,39 @@ def test_forward_rejects_wrong_layer_count():
 def test_loop_layout_only_on_a_cpu():
     params = random_params(ji.preset("tiny-llama"))
     laid = loop_layout(params, "cpu")
-    assert isinstance(laid["layers"], tuple)
+    assert isinstance(laid["layers"], tuple) and isinstance(laid["lm_head"], TransposedDense)
     assert loop_layout(params, "gpu") is params
+    meshed = loop_layout(params, "cpu", mesh=object())  # a TP mesh: its rules name [in, out]
+    assert isinstance(meshed["layers"], tuple) and isinstance(meshed["lm_head"], jax.Array)
+
+
+def test_cpu_layout_transposes_every_dense_projection():
+    cfg = ji.preset("tiny-qwen2")  # tied head and biases
+    params = random_params(cfg, seed=6)
+    layers = dict(params["layers"], wk=quantize_int8(params["layers"]["wk"]))
+    params = dict(params, layers=layers)
+    laid = cpu_layout(params)
+    for i, lp in enumerate(laid["layers"]):
+        for name in LINEAR_NAMES:
+            w = lp[name]
+            if name == "wk":
+                assert isinstance(w, Int8Weight)  # quantized weights are left as they are
+                continue
+            assert isinstance(w, TransposedDense) and w.wt.ndim == 2
+            np.testing.assert_array_equal(np.asarray(w.wt), np.asarray(layers[name][i]).T)
+        assert isinstance(lp["bq"], jax.Array)  # biases stay [out]
+    assert laid["lm_head"].wt is params["embed"]  # a tied head reads the embedding as stored
+    np.testing.assert_array_equal(np.asarray(laid["lm_head"].w), np.asarray(params["embed"]).T)
+    assert laid["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
+    assert laid["embed"] is params["embed"] and "lm_head" not in params
+    assert cpu_layout(laid) is laid  # idempotent
+    ji.model.params.check_params(cfg, laid)  # shapes and dtypes read as [in, out]
+    untied = ji.preset("tiny-llama")
+    p = random_params(untied, seed=7)
+    head = cpu_layout(inference_layout(p))["lm_head"]  # from the inference layout too
+    np.testing.assert_array_equal(np.asarray(head.wt), np.asarray(p["lm_head"]).T)
+    assert head.w is p["lm_head"]  # kept for one-row products
+    assert all(lp["wq"].w is None for lp in cpu_layout(p)["layers"])  # only the head keeps both
 
 
 def test_forward_dense_and_score_take_the_inference_layout():

@@ -17,6 +17,7 @@ from jaxinfer.model.layers import rms_norm
 from jaxinfer.model.params import lm_head
 from jaxinfer.ops.linear import linear
 from jaxinfer.speculative.heads.config import Head, HeadConfig, check_pairing
+from jaxinfer.transposed import TransposedDense
 
 NEG_INF = -jnp.inf
 
@@ -36,14 +37,19 @@ def pair(head: Head, cfg: ModelConfig, tparams: dict) -> dict:
     """Checks the head against target `cfg` (ValueError naming the field) -> runtime params."""
     check_pairing(head.cfg, cfg)
     check_head_params(head.cfg, head.params)
-    w = lm_head(tparams)  # [E, V]
+    w = lm_head(tparams)  # [E, V], or its TransposedDense [V, E] (the CPU layout)
     if head.cfg.draft_vocab_size is not None:
-        w = jnp.take(w, head.params["vocab_ids"], axis=1)  # [E, N]
+        ids = head.params["vocab_ids"]
+        if isinstance(w, TransposedDense):  # [N, E] (and [E, N] where the head keeps [E, V])
+            keep = None if w.w is None else jnp.take(w.w, ids, axis=1)
+            w = TransposedDense(jnp.take(w.wt, ids, axis=0), keep)
+        else:
+            w = jnp.take(w, ids, axis=1)  # [E, N]
     return {
         "head": head.params,
         "embed": tparams["embed"],  # [V, E]
         "final_norm": tparams["final_norm"],  # [E]
-        "lm_w": w,  # [E, N] or [E, V]
+        "lm_w": w,  # [E, N] or [E, V] (or TransposedDense [N, E] / [V, E])
     }
 
 

@@ -1,0 +1,87 @@
+"""`TransposedDense`: a dense `[in, out]` weight stored as its transpose `wt [out, in]`.
+
+The CPU layout of the compiled decode loops and the engine (`model.params.cpu_layout`) stores
+every dense projection this way, and `ops.linear` applies it by the number of rows it meets
+(measured on XLA's CPU backend, SmolLM2-shaped weights, `experiments/linear_bench.py`):
+
+  rows == 1 or > REDUCE_MAX_ROWS  dot_general contracting both last axes (a GEMV / an NT GEMM);
+                                  at one row, `x @ w` where the weight keeps its `[in, out]`
+                                  form too (`w`: the layout keeps it for the head, whose NT
+                                  GEMV measured ~1.4x the NN one; the layers' measured equal)
+  2 <= rows <= REDUCE_MAX_ROWS    a multiply and a sum over `in`, which XLA hands to YNNPACK as
+                                  one pass over the weight for all rows; the NN GEMM that
+                                  `x @ w` becomes at 2-32 rows costs 2-4x a GEMV, this ~1.2-1.6x
+
+The sum's operands pass through one `optimization_barrier` with the weight, so XLA neither
+fuses the activation's producers into it nor shares (and so materialises) the broadcast of one
+activation between the sibling projections that read it (q/k/v, gate/up).
+
+A tied model's head is the embedding table itself (`[V, E]` is already `[out, in]`) beside the
+`[E, V]` copy `inference_layout` materialises for one-row products, so the head costs no more
+memory than there.
+
+Like the quantized formats, this module is a leaf: model and ops import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+REDUCE_MAX_ROWS = 32  # above this the NT GEMM is as fast (64 rows measured equal)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedDense:
+    """A dense weight `w [in, out]` held as `wt = w.T`, `[out, in]` (rows are output features)."""
+
+    wt: jax.Array  # [out, in]
+    w: jax.Array | None = None  # [in, out] as well, or None: the one-row product's operand
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's `(in, out)`, as a dense `[in, out]` leaf reports it."""
+        return tuple(self.wt.shape[:-2]) + (self.wt.shape[-1], self.wt.shape[-2])
+
+    @property
+    def dtype(self):
+        return self.wt.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.wt.ndim
+
+    def dense(self) -> jax.Array:
+        """The weight as `[in, out]` (a transposed copy)."""
+        return jnp.swapaxes(self.wt, -1, -2)
+
+
+def transpose_dense(w: jax.Array, keep: bool = False) -> TransposedDense:
+    """A dense `[in, out]` weight -> `TransposedDense` holding a contiguous `[out, in]` copy
+    (and, with `keep`, `w` itself for one-row products)."""
+    if w.ndim != 2:
+        raise ValueError(f"transpose_dense takes a 2-D [in, out] weight, got shape {w.shape}")
+    return TransposedDense(jnp.asarray(w.T), w if keep else None)
+
+
+def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
+    """`x @ w` for x `[..., in]` -> float32 `[..., out]` (see the module docstring)."""
+    wt = w.wt.astype(x.dtype)  # [out, in]
+    if wt.ndim != 2 or x.shape[-1] != wt.shape[1]:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] against a weight of shape {w.shape}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+    m = x2.shape[0]
+    if m == 1 and w.w is not None:
+        y = jnp.dot(x2, w.w.astype(x.dtype), preferred_element_type=jnp.float32)  # [1, out]
+    elif 2 <= m <= REDUCE_MAX_ROWS and x.dtype == jnp.float32:
+        x2, wt = jax.lax.optimization_barrier((x2, wt))
+        y = jnp.sum(wt[:, None, :] * x2[None, :, :], axis=-1).T  # [out, M] -> [M, out]
+    else:
+        y = jax.lax.dot_general(
+            x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [M, out]
+    return y.reshape(*lead, wt.shape[0])
