@@ -10,7 +10,13 @@ every dense projection this way, and `ops.linear` applies it by the number of ro
                                   GEMV measured ~1.4x the NN one; the layers' measured equal)
   2 <= rows <= REDUCE_MAX_ROWS    a multiply and a sum over `in`, which XLA hands to YNNPACK as
                                   one pass over the weight for all rows; the NN GEMM that
-                                  `x @ w` becomes at 2-32 rows costs 2-4x a GEMV, this ~1.2-1.6x
+                                  `x @ w` becomes at 2-16 rows costs 2-4x a GEMV, this ~1.3-2x
+
+The bound is 16, not the 32 measured faster too (0.8x at 32 rows on SmolLM2): at 32 rows the
+sum segfaulted inside XLA in an engine step of the tiny target (T = 1, 32 logits rows into the
+head; `tests/server/test_bench_serve.py` ran it), though the same product alone ran at every row
+count from 1 to 39. Rows above 16 take the NT GEMM, which the engine, `ji.generate` and the tests
+ran before without a crash.
 
 The sum's operands pass through one `optimization_barrier` with the weight, so XLA neither
 fuses the activation's producers into it nor shares (and so materialises) the broadcast of one
@@ -30,7 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-REDUCE_MAX_ROWS = 32  # above this the NT GEMM is as fast (64 rows measured equal)
+REDUCE_MAX_ROWS = 16  # see the module docstring: 32 rows crashed XLA in an engine step
 
 
 @jax.tree_util.register_dataclass

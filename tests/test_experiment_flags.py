@@ -84,6 +84,12 @@ CASES = {
         (["--kv_formats=float,int4"], r"'int4' is not one of float, int8, fp8"),
         (["--cache_blocks=0"], "0 is not an integer >= 1"),
     ],
+    "linear_bench": [
+        ([], None),
+        (["--rows=1,0"], "0 is not an integer >= 1"),
+        (["--prompt=-1"], "not a non-negative integer"),
+        (["--reps=0"], "not a positive integer"),
+    ],
     "pipeline": [
         ([], None),
         (["--model=target", "--full"], None),

@@ -24,7 +24,7 @@ where it has not been measured).
 
 On a CPU (one device) the loops and the engine go one step further, `cpu_layout`: every dense
 projection is held transposed, `[out, in]`, in a `jaxinfer.transposed.TransposedDense`, which
-`ops.linear` applies by a pass over the weight that costs ~1.2-1.6x a GEMV at 2-32 rows, where
+`ops.linear` applies by a pass over the weight that costs ~1.2-1.6x a GEMV at 2-16 rows, where
 `x @ w` costs 2-4x (verification, batched decode, the engine's padded steps). A tied head is then
 the embedding table itself, read in its stored `[V, E]` layout.
 """
