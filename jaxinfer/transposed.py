@@ -50,15 +50,11 @@ class TransposedDense:
     @property
     def shape(self) -> tuple[int, int]:
         """The weight's `(in, out)`, as a dense `[in, out]` leaf reports it."""
-        return tuple(self.wt.shape[:-2]) + (self.wt.shape[-1], self.wt.shape[-2])
+        return (self.wt.shape[1], self.wt.shape[0])
 
     @property
     def dtype(self):
         return self.wt.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.wt.ndim
 
     def dense(self) -> jax.Array:
         """The weight as `[in, out]` (a transposed copy)."""
