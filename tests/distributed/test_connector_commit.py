@@ -16,7 +16,10 @@ from jaxinfer.engine import engine as engine_mod
 from tests.helpers import random_params
 
 CFG = preset("tiny-llama").replace(eos_token_id=None)
-ECFG = ji.EngineConfig(block_size=4, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32)
+# "pow2": every T bucket kept, so which step shapes exist does not depend on a timing.
+ECFG = ji.EngineConfig(
+    block_size=4, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32, token_buckets="pow2"
+)
 
 
 def test_loaded_blocks_compile_no_step_again():
@@ -24,6 +27,8 @@ def test_loaded_blocks_compile_no_step_again():
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     sp = ji.SamplingParams(temperature=0.0, max_tokens=4)
     want = [o.token_ids for o in engine.generate(prompts, sp)]
+    # Twice: the second run hits the prefix cache, a shorter prefill in a T bucket of its own.
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     compiled = engine_mod._step._cache_size()
     # A load as a connector does it: blocks put on the cache's sharding, written into free ids.
     target = jax.tree.map(lambda x: x.sharding, engine.cache)
