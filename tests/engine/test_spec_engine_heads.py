@@ -62,16 +62,17 @@ def _greedy_ref():
 
 
 def _dense_first_logits(cfg, tparams, head: heads.Head, seq: list[int]) -> np.ndarray:
-    """The head's logits `[V]` for the token after `seq`, from the dense forms (features of the
-    whole prefix by `forward_dense`): what its first draft in a cycle at cur = len(seq) − 1
-    must be the argmax of."""
+    """The head's logits `[P, V]` from the dense forms (features of `seq [P]` by
+    `forward_dense`): row p is what its first draft in a cycle at cur = p must be the argmax of,
+    for every prefix of `seq` at once (both forms are causal)."""
     rp = heads.pair(head, cfg, tparams)
     _, hidden = forward_dense(tparams, cfg, jnp.asarray([seq]), return_hidden=True)  # [1, P, E]
     if head.cfg.kind == "medusa":  # all drafts from h_{cur−1}; head 0 drafts position cur + 1
-        logits = heads.medusa_logits(rp, head.cfg, hidden[0, -2], 1)[0]
+        h = jnp.concatenate([jnp.zeros_like(hidden[0, :1]), hidden[0, :-1]])  # row p: h_{p−1}
+        logits = heads.medusa_logits(rp, head.cfg, h, 1)[:, 0]
     else:  # row t reads (token t, feature t − 1)
         prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
-        feat = heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)[0, -1]
+        feat = heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)[0]
         logits = heads.feature_logits(rp, head.cfg, feat)
     return np.asarray(logits, np.float64)
 
@@ -106,22 +107,26 @@ def _check_first_drafts(log, cfg, params, head, outs, prompts) -> int:
     """Asserts that every drafting cycle's first draft in the cycle log is the dense head's
     argmax (within 1e-4 of its max logit) after that sample's committed history, and that the
     histories rebuilt from the log are the outputs; returns the cycles checked."""
-    hist = {}
+    hist, full, dense = {}, {}, {}
     for o, p in zip(outs, prompts):
-        for j in range(len(o.samples)):
+        for j, s in enumerate(o.samples):
             hist[o.request_id, j] = list(p)
+            full[o.request_id, j] = list(p) + list(s.token_ids)
     checked = 0
     for rec in read_engine_log(log):
-        seq = hist[rec["request_id"], rec["sample_index"]]
+        key = rec["request_id"], rec["sample_index"]
+        seq = hist[key]
+        assert seq == full[key][: len(seq)], (rec["step"], key)  # the log replays the output
         if rec["gamma"] > 0:
-            logits = _dense_first_logits(cfg, params, head, seq)
+            if key not in dense:  # one dense pass a sample: every cycle reads a prefix of it
+                dense[key] = _dense_first_logits(cfg, params, head, full[key])
+            logits = dense[key][len(seq) - 1]
             d = rec["proposed"][0]
             assert logits[d] >= logits.max() - 1e-4, (rec["step"], d, int(logits.argmax()))
             checked += 1
         seq.extend(rec["committed"])
-    for o, p in zip(outs, prompts):
-        for j, s in enumerate(o.samples):
-            assert hist[o.request_id, j][len(p) :] == s.token_ids
+    for key, seq in hist.items():
+        assert seq == full[key], key
     return checked
 
 
