@@ -185,7 +185,13 @@ def test_shipped_eagle_head_drafts_exactly(model, prompts, hf_reference):
     tau = (np.arange(5) * hist).sum() / hist.sum() + 1
     assert tau > 1.5, hist  # measured ~2.3 tokens a cycle on test-split prompts
     spec = ji.SpeculativeConfig(drafter=head, num_speculative_tokens=4)
-    engine = ji.Engine(cfg, params, ji.EngineConfig(num_blocks=257, speculative=spec))
+    # Two step shapes (prefill chunks and cycles both T = 64, B = 8, M = 64): each compile of
+    # the unrolled 30 layers costs ~25 s here, the default buckets' nine shapes ~135 s.
+    ecfg = ji.EngineConfig(
+        num_blocks=257, max_num_batched_tokens=64, min_token_bucket=64, min_seq_bucket=8,
+        min_block_bucket=64, speculative=spec,
+    )  # fmt: skip
+    engine = ji.Engine(cfg, params, ecfg)
     for i, (out, want) in enumerate(zip(engine.generate(prompts, sampling), hf_reference[1])):
         assert out.token_ids == want, f"engine, prompt {i} (len {LENS[i]})"
     c = engine.spec_counters
