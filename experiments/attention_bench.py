@@ -22,12 +22,9 @@ and writes results.json.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +35,6 @@ import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
 from jaxinfer.cache.paged import KV_FORMATS
-from jaxinfer.model.decoder import forward
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
 _CONFIG = common.config_flag()
@@ -95,23 +91,11 @@ def _time_row(cfg, params, chunks, t, b, m, num_blocks, systems) -> dict:
     s = _BLOCK_SIZE.value
     meta, _ = build_metadata(chunks, s, num_tokens=t, num_seqs=b, max_blocks=m, num_logits=b)
     meta = ji.BatchMetadata(*(jnp.asarray(x) for x in meta.__dict__.values()))
-    steps, caches = {}, {}
-    for be, (backend, kv_format) in systems.items():
-        steps[be] = jax.jit(
-            functools.partial(forward, cfg=cfg, backend=backend), donate_argnames=("cache",)
-        )
-        caches[be] = ji.init_cache(cfg, num_blocks, s, kv_format=kv_format)
-        for _ in range(2):  # compile, warm up
-            logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
-        logits.block_until_ready()
-    times = {be: [] for be in systems}
-    for _ in range(_REPS.value):
-        for be in systems:  # alternate, so all see the same background load
-            t0 = time.perf_counter()
-            logits, caches[be] = steps[be](params, batch=meta, cache=caches[be])
-            logits.block_until_ready()
-            times[be].append(time.perf_counter() - t0)
-    return {be: 1e3 * statistics.median(v) for be, v in times.items()}
+    runs = {
+        be: (params, backend, ji.init_cache(cfg, num_blocks, s, kv_format=kv_format))
+        for be, (backend, kv_format) in systems.items()
+    }
+    return common.interleaved_step_ms(cfg, meta, runs, _REPS.value)
 
 
 def main(argv):

@@ -31,6 +31,7 @@ it was pretrained: one `<|endoftext|>` (or the config's eos) after each document
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from absl import flags
 
@@ -47,6 +49,7 @@ import jaxinfer as ji
 from jaxinfer import data
 from jaxinfer.config import PRESETS, from_hf_config
 from jaxinfer.gguf.loader import config_from_gguf, find_gguf, open_gguf
+from jaxinfer.model.decoder import forward
 
 PRETRAINED_SEPARATOR = "<|endoftext|>"  # GPT-2 style document separator (SmolLM2: id 0)
 
@@ -133,6 +136,32 @@ def times(fn: Callable[[], object], repeats: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def interleaved_step_ms(cfg, meta, systems: dict, reps: int) -> dict:
+    """Median ms of one jitted paged `forward` step (cache donated) for each system, timed in turn.
+
+    systems: name -> (params, backend, cache): each runs the same step metadata `meta` on its own
+    params, attention backend and cache. Two calls each compile and warm up; then the systems
+    alternate call by call for `reps` rounds, so all see the same background load.
+    """
+    steps, caches = {}, {}
+    for name, (params, backend, cache) in systems.items():
+        steps[name] = jax.jit(
+            functools.partial(forward, cfg=cfg, backend=backend), donate_argnames=("cache",)
+        )
+        caches[name] = cache
+        for _ in range(2):  # compile, warm up
+            logits, caches[name] = steps[name](params, batch=meta, cache=caches[name])
+        logits.block_until_ready()
+    seconds = {name: [] for name in systems}
+    for _ in range(reps):
+        for name, (params, _, _) in systems.items():
+            t0 = time.perf_counter()
+            logits, caches[name] = steps[name](params, batch=meta, cache=caches[name])
+            logits.block_until_ready()
+            seconds[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(v) for name, v in seconds.items()}
 
 
 def spread(seconds: list[float]) -> dict:

@@ -15,12 +15,9 @@ weight's multiply-and-sum (`jaxinfer.transposed`).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +26,6 @@ from absl import app, flags
 import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
-from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import cpu_layout, inference_layout
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
@@ -66,20 +62,9 @@ def _batch(t: int, prompt: int | None):
 
 
 def _time_row(cfg, laid: dict, meta, num_blocks: int) -> dict:
-    step = jax.jit(functools.partial(forward, cfg=cfg, backend="xla"), donate_argnames=("cache",))
-    caches = {k: ji.init_cache(cfg, num_blocks, BLOCK) for k in laid}
-    for k, p in laid.items():
-        for _ in range(2):  # compile, warm up
-            logits, caches[k] = step(p, batch=meta, cache=caches[k])
-        logits.block_until_ready()
-    times = {k: [] for k in laid}
-    for _ in range(_REPS.value):
-        for k, p in laid.items():  # alternate: both see the same load
-            t0 = time.perf_counter()
-            logits, caches[k] = step(p, batch=meta, cache=caches[k])
-            logits.block_until_ready()
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    """Median step ms of each layout (name -> params), the layouts alternating call by call."""
+    runs = {k: (p, "xla", ji.init_cache(cfg, num_blocks, BLOCK)) for k, p in laid.items()}
+    return common.interleaved_step_ms(cfg, meta, runs, _REPS.value)
 
 
 def main(argv):
