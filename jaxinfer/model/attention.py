@@ -7,6 +7,7 @@ used by `forward_dense` shares the projections and RoPE.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import BatchMetadata
 from jaxinfer.cache.paged import PagedKVCache, write_kv
@@ -21,9 +22,14 @@ def project_qkv(
 ):
     """`h [..., T, E]`, `positions [..., T]` -> q `[..., T, H, D]`, k, v `[..., T, K, D]`, roped."""
     lead = h.shape[:-1]
-    q = linear(h, lp["wq"], lp.get("bq"), backend=backend)
-    k = linear(h, lp["wk"], lp.get("bk"), backend=backend)
-    v = linear(h, lp["wv"], lp.get("bv"), backend=backend)
+    if "wqkv" in lp:  # the CPU layout's fused projection (`model.params.cpu_layout`)
+        hd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = linear(h, lp["wqkv"], lp.get("bqkv"), backend=backend)  # [..., T, (H + 2K) * D]
+        q, k, v = jnp.split(qkv, [hd, hd + kd], axis=-1)
+    else:
+        q = linear(h, lp["wq"], lp.get("bq"), backend=backend)
+        k = linear(h, lp["wk"], lp.get("bk"), backend=backend)
+        v = linear(h, lp["wv"], lp.get("bv"), backend=backend)
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)

@@ -16,7 +16,7 @@ from jaxinfer.cache.metadata import BatchMetadata
 from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.attention import dense_attention_heads, paged_attention_block
-from jaxinfer.model.layers import gated_activation, rms_norm, swiglu
+from jaxinfer.model.layers import layer_gated_activation, rms_norm
 from jaxinfer.model.params import lm_head
 from jaxinfer.ops.backend import resolve_backend
 from jaxinfer.ops.linear import linear
@@ -25,7 +25,8 @@ from jaxinfer.ops.linear import linear
 def mlp_block(x: jax.Array, lp: dict, cfg: ModelConfig, backend: str = "auto") -> jax.Array:
     """Residual MLP sub-block: `x [..., E]` -> `x + mlp(norm(x))`."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], backend, cfg.hidden_act)
+    a = layer_gated_activation(h, lp, backend, cfg.hidden_act)  # [..., F]
+    return x + linear(a, lp["w_down"], backend=backend)
 
 
 def logits_from_hidden(
@@ -108,7 +109,7 @@ def decoder_layer_dense_taps(
     o = dense_attention_heads(h, lp, cfg, backend)  # [B, S, H*D]
     x = x + linear(o, lp["wo"], backend=backend)
     h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)  # [B, S, E]
-    a = gated_activation(h2, lp["w_gate"], lp["w_up"], backend, cfg.hidden_act)  # [B, S, F]
+    a = layer_gated_activation(h2, lp, backend, cfg.hidden_act)  # [B, S, F]
     x = x + linear(a, lp["w_down"], backend=backend)
     return x, {"attn_in": h, "o_in": o, "mlp_in": h2, "down_in": a}
 

@@ -74,6 +74,15 @@ def gated_activation(x: jax.Array, w_gate, w_up, backend: str = "auto", act: str
     return ACTIVATIONS[act](gate) * up
 
 
+def layer_gated_activation(x: jax.Array, lp: dict, backend: str = "auto", act: str = "silu"):
+    """`gated_activation` from one layer's params: `w_gate` and `w_up`, or the CPU layout's
+    fused `w_gate_up` (`model.params.cpu_layout`: one `[E, 2F]` product, gate then up)."""
+    if "w_gate_up" in lp:
+        gate, up = jnp.split(linear(x, lp["w_gate_up"], backend=backend), 2, axis=-1)
+        return ACTIVATIONS[act](gate) * up  # [..., F]
+    return gated_activation(x, lp["w_gate"], lp["w_up"], backend, act)
+
+
 def swiglu(
     x: jax.Array, w_gate, w_up, w_down, backend: str = "auto", act: str = "silu"
 ) -> jax.Array:

@@ -125,14 +125,15 @@ def test_cpu_layout_transposes_every_dense_projection():
     params = dict(params, layers=layers)
     laid = cpu_layout(params)
     for i, lp in enumerate(laid["layers"]):
-        for name in LINEAR_NAMES:
+        assert isinstance(lp["wk"], Int8Weight)  # quantized weights are left as they are,
+        for name in ("wq", "wv", "wo", "w_down"):  # and keep their dense siblings apart
             w = lp[name]
-            if name == "wk":
-                assert isinstance(w, Int8Weight)  # quantized weights are left as they are
-                continue
             assert isinstance(w, TransposedDense) and w.wt.ndim == 2
             np.testing.assert_array_equal(np.asarray(w.wt), np.asarray(layers[name][i]).T)
-        assert isinstance(lp["bq"], jax.Array)  # biases stay [out]
+        assert isinstance(lp["bq"], jax.Array) and "bqkv" not in lp  # biases stay [out]
+        assert "w_gate" not in lp and "w_up" not in lp  # both dense: one fused product
+        gate_up = np.concatenate([layers["w_gate"][i], layers["w_up"][i]], axis=1)  # [E, 2F]
+        np.testing.assert_array_equal(np.asarray(lp["w_gate_up"].wt), gate_up.T)
     assert laid["lm_head"].wt is params["embed"]  # a tied head reads the embedding as stored
     np.testing.assert_array_equal(np.asarray(laid["lm_head"].w), np.asarray(params["embed"]).T)
     assert laid["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
@@ -144,7 +145,24 @@ def test_cpu_layout_transposes_every_dense_projection():
     head = cpu_layout(inference_layout(p))["lm_head"]  # from the inference layout too
     np.testing.assert_array_equal(np.asarray(head.wt), np.asarray(p["lm_head"]).T)
     assert head.w is p["lm_head"]  # kept for one-row products
-    assert all(lp["wq"].w is None for lp in cpu_layout(p)["layers"])  # only the head keeps both
+    assert all(lp["wo"].w is None for lp in cpu_layout(p)["layers"])  # only the head keeps both
+
+
+def test_cpu_layout_fuses_dense_siblings():
+    cfg = ji.preset("tiny-qwen2")  # biases: fused beside the weights
+    params = random_params(cfg, seed=8)
+    laid = cpu_layout(params)
+    for i, lp in enumerate(laid["layers"]):
+        assert not {"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"} & set(lp)
+        qkv = np.concatenate([params["layers"][n][i] for n in ("wq", "wk", "wv")], axis=1)
+        np.testing.assert_array_equal(np.asarray(lp["wqkv"].wt), qkv.T)
+        bqkv = np.concatenate([params["layers"][n][i] for n in ("bq", "bk", "bv")])
+        np.testing.assert_array_equal(np.asarray(lp["bqkv"]), bqkv)
+    ji.model.params.check_params(cfg, laid)
+    layers = tuple(dict(lp) for lp in laid["layers"])
+    layers[1]["wqkv"] = TransposedDense(layers[1]["wqkv"].wt[:-1])  # one output row short
+    with pytest.raises(ValueError, match=r"layers\[1\]/wqkv"):
+        ji.model.params.check_params(cfg, dict(laid, layers=layers))
 
 
 def test_forward_dense_and_score_take_the_inference_layout():
