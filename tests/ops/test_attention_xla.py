@@ -43,16 +43,19 @@ def _pad_rows(args, extra: int):
 
 @pytest.mark.parametrize("block_size,heads,head_dim,kv_dtype,window", CASES)
 @pytest.mark.parametrize("extra_rows", [0, 40, 200])
-@pytest.mark.parametrize("keys_per_chunk", [128, 32])
+@pytest.mark.parametrize("keys_per_chunk,one_chunk_keys", [(128, 512), (128, 0), (32, 0)])
 def test_matches_reference(
-    block_size, heads, head_dim, kv_dtype, window, extra_rows, keys_per_chunk, monkeypatch
-):
+    block_size, heads, head_dim, kv_dtype, window, extra_rows, keys_per_chunk, one_chunk_keys,
+    monkeypatch,
+):  # fmt: skip
     monkeypatch.setattr(attention_ops, "_KEYS_PER_CHUNK", keys_per_chunk)
+    monkeypatch.setattr(attention_ops, "_ONE_CHUNK_KEYS", one_chunk_keys)
     args, kw = ragged_attention_batch(block_size, heads, head_dim, kv_dtype, seed=head_dim)
     args = _pad_rows(args, extra_rows)
     m = args[5].shape[1]
-    chunks = -(-m // max(1, min(m, keys_per_chunk // block_size)))
-    assert (chunks == 1) == (keys_per_chunk == 128)  # both paths of the op are taken
+    one = m * block_size <= one_chunk_keys
+    chunks = 1 if one else -(-m // max(1, min(m, keys_per_chunk // block_size)))
+    assert (chunks == 1) == (one or keys_per_chunk == 128)  # both paths of the op are taken
     out = paged_attention_xla(*args, **kw, sliding_window=window)
     ref = paged_attention_reference(*args, **kw, sliding_window=window)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
