@@ -84,6 +84,12 @@ CASES = {
         (["--kv_formats=float,int4"], r"'int4' is not one of float, int8, fp8"),
         (["--cache_blocks=0"], "0 is not an integer >= 1"),
     ],
+    "step_ab": [
+        ([], None),
+        (["--compare=row_forms", "--contexts=100,1000"], None),
+        (["--compare=heads"], "should be one of"),
+        (["--contexts=256,0"], "0 is not an integer >= 1"),
+    ],
     "linear_bench": [
         ([], None),
         (["--rows=1,0"], "0 is not an integer >= 1"),
