@@ -29,8 +29,8 @@ projection is held transposed, `[out, in]`, in a `jaxinfer.transposed.Transposed
 the embedding table itself, read in its stored `[V, E]` layout. The projections that read one
 input are fused where all are dense (`FUSED`): `wqkv [(H + 2K) * D, E]` (with `bqkv`) and
 `w_gate_up [2F, E]`, one product each instead of three and two (vLLM's QKVParallelLinear and
-MergedColumnParallelLinear). Measured on SmolLM2 (`experiments/linear_bench.py`-style A/B, one
-paged step at T = 1, 2, 5, 8, 16 rows): 0.97-0.98x the step of the projections apart, at every T.
+MergedColumnParallelLinear). Measured on SmolLM2 (an interleaved A/B of one paged step at T = 1,
+2, 5, 8, 16 rows, BENCHMARKS.md 2026-12-04): 0.97-0.98x the step of the projections apart.
 """
 
 from __future__ import annotations
