@@ -115,16 +115,19 @@ def check_params(cfg: ModelConfig, params) -> None:
     if unrolled and len(layers) != cfg.num_layers:
         raise ValueError(f"params hold {len(layers)} layers, cfg.num_layers={cfg.num_layers}")
     _check_keys(set(params), set(want), {"lm_head"}, "params")
-    for i, layer in enumerate(layers if unrolled else (layers,)):
-        specs = _fused_specs(want["layers"], layer) if unrolled else want["layers"]
-        where = f"layers[{i}]" if unrolled else "layers"
-        _check_keys(set(layer), set(specs), set(), f"params['{where}']")
-        for key, spec in specs.items():
-            _check_leaf(f"{where}/{key}", spec, layer[key], unstacked=unrolled)
+    if unrolled:  # (where, layer, its expected leaves), cpu_layout's fused leaves included
+        specs = [(f"layers[{i}]", x, _fused_specs(want["layers"], x)) for i, x in enumerate(layers)]
+    else:
+        specs = [("layers", layers, want["layers"])]
+    for where, layer, layer_specs in specs:
+        _check_keys(set(layer), set(layer_specs), set(), f"params['{where}']")
 
     for key, spec in want.items():
         if key != "layers":
             _check_leaf(key, spec, params[key])
+    for where, layer, layer_specs in specs:
+        for key, spec in layer_specs.items():
+            _check_leaf(f"{where}/{key}", spec, layer[key], unstacked=unrolled)
     if "lm_head" in params and "lm_head" not in want:
         head = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
         _check_leaf("lm_head", head, params["lm_head"])
