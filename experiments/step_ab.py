@@ -11,8 +11,9 @@ traced under (a variant's program is compiled with its settings and keeps them):
               for a table of <= 512 keys);
   chunk_keys  keys per attention chunk 64 / 128 / 256 / 512 (one chunk below 512 keys off), to
               see what a single chunk buys against the loop;
-  row_forms   the weights' product at T rows: `x @ w` (`inference_layout`), the multiply-and-sum
-              of `cpu_layout` (as shipped), and `cpu_layout` with the NT GEMM at every T.
+  row_forms   the weights' product at T rows: `cpu_layout` as shipped (the blocked product at
+              2-16 rows), its multiply-and-sum, `x @ w` (`inference_layout`), and `cpu_layout`
+              with the NT GEMM at every T.
 Each case is T decode rows (--rows) at each of --contexts (T sequences, one row each) and, with
 --prompt, one prefill of that many tokens. The variants alternate call by call (the loop of
 `common.interleaved_step_ms`, each variant traced under its own settings), median of --reps
@@ -51,13 +52,16 @@ flags.FLAGS.set_default("reps", 15)
 
 
 @contextlib.contextmanager
-def _settings(fused=None, one_chunk_keys=None, keys_per_chunk=None, reduce_max_rows=None):
+def _settings(
+    fused=None, one_chunk_keys=None, keys_per_chunk=None, reduce_max_rows=None, row_blocks=None
+):
     """Module settings the variant is laid out and traced under, restored after."""
     names = {
         (params_mod, "FUSED"): fused,
         (attention, "_ONE_CHUNK_KEYS"): one_chunk_keys,
         (attention, "_KEYS_PER_CHUNK"): keys_per_chunk,
         (transposed, "REDUCE_MAX_ROWS"): reduce_max_rows,
+        (transposed, "ROW_BLOCKS"): row_blocks,
     }
     saved = {k: getattr(*k) for k, v in names.items() if v is not None}
     try:
@@ -87,7 +91,8 @@ def variants(params) -> dict:
         }
     laid = params_mod.cpu_layout(params)
     return {
-        "multiply-and-sum": (laid, {}),
+        "blocked (as shipped)": (laid, {}),
+        "multiply-and-sum": (laid, {"row_blocks": 0}),
         "x @ w": (params_mod.inference_layout(params), {}),
         "NT GEMM": (laid, {"reduce_max_rows": 1}),
     }

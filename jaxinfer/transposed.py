@@ -8,9 +8,14 @@ every dense projection this way, and `ops.linear` applies it by the number of ro
                                   at one row, `x @ w` where the weight keeps its `[in, out]`
                                   form too (`w`: the layout keeps it for the head, whose NT
                                   GEMV measured ~1.4x the NN one; the layers' measured equal)
-  2 <= rows <= REDUCE_MAX_ROWS    a multiply and a sum over `in`, which XLA hands to YNNPACK as
-                                  one pass over the weight for all rows; the NN GEMM that
-                                  `x @ w` becomes at 2-16 rows costs 2-4x a GEMV, this ~1.3-2x
+  2 <= rows <= REDUCE_MAX_ROWS    a batched NT product over ROW_BLOCKS blocks of output rows,
+                                  `einsum("mi,boi->bmo", x, wt.reshape(8, out / 8, in))` (where
+                                  `out` divides; else a multiply and a sum over `in`, which XLA
+                                  hands to YNNPACK as one pass over the weight for all rows). The
+                                  NN GEMM that `x @ w` becomes at 2-16 rows costs 2-4x a GEMV, the
+                                  sum ~1.3-2x; the blocked product took 0.89-0.93x the sum's
+                                  whole SmolLM2 step at 2-8 rows and 0.95x at 16 (BENCHMARKS.md,
+                                  2026-12-04 afternoon), the same weights read in the same order
 
 The bound is 16, not the 32 measured faster too (0.8x at 32 rows on SmolLM2): at 32 rows the
 sum segfaulted inside XLA in an engine step of the tiny target (T = 1, 32 logits rows into the
@@ -18,9 +23,10 @@ head; `tests/server/test_bench_serve.py` ran it), though the same product alone 
 count from 1 to 39. Rows above 16 take the NT GEMM, which the engine, `ji.generate` and the tests
 ran before without a crash.
 
-The sum's operands pass through one `optimization_barrier` with the weight, so XLA neither
-fuses the activation's producers into it nor shares (and so materialises) the broadcast of one
-activation between the sibling projections that read it (q/k/v, gate/up).
+The sum (the fallback) has its operands pass through one `optimization_barrier` with the
+weight, so XLA neither fuses the activation's producers into it nor shares (and so
+materialises) the broadcast of one activation between the sibling projections that read it
+(q/k/v, gate/up). The blocked product has no broadcast to share and needs no barrier.
 
 A tied model's head is the embedding table itself (`[V, E]` is already `[out, in]`) beside the
 `[E, V]` copy `inference_layout` materialises for one-row products, so the head costs no more
@@ -37,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 REDUCE_MAX_ROWS = 16  # see the module docstring: 32 rows crashed XLA in an engine step
+ROW_BLOCKS = 8  # output-row blocks of the 2..REDUCE_MAX_ROWS product (0: the sum everywhere)
 
 
 @jax.tree_util.register_dataclass
@@ -80,8 +87,14 @@ def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
     if m == 1 and w.w is not None:
         y = jnp.dot(x2, w.w.astype(x.dtype), preferred_element_type=jnp.float32)  # [1, out]
     elif 2 <= m <= REDUCE_MAX_ROWS and x.dtype == jnp.float32:
-        x2, wt = jax.lax.optimization_barrier((x2, wt))
-        y = jnp.sum(wt[:, None, :] * x2[None, :, :], axis=-1).T  # [out, M] -> [M, out]
+        out, k = wt.shape
+        if ROW_BLOCKS and out % ROW_BLOCKS == 0:
+            blocks = wt.reshape(ROW_BLOCKS, out // ROW_BLOCKS, k)  # [nb, out / nb, in]
+            y = jnp.einsum("mi,boi->bmo", x2, blocks, preferred_element_type=jnp.float32)
+            y = jnp.transpose(y, (1, 0, 2)).reshape(m, out)  # [nb, M, out / nb] -> [M, out]
+        else:
+            x2, wt = jax.lax.optimization_barrier((x2, wt))
+            y = jnp.sum(wt[:, None, :] * x2[None, :, :], axis=-1).T  # [out, M] -> [M, out]
     else:
         y = jax.lax.dot_general(
             x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32

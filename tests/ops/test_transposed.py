@@ -76,3 +76,19 @@ def test_shape_dtype_and_bad_input():
         transpose_dense(jnp.ones((2, 3, 4)))
     with pytest.raises(ValueError, match=r"x \[\.\.\., 5\]"):
         transposed.apply(jnp.ones((3, 5)), w)
+
+
+@pytest.mark.parametrize("out", [80, 50])
+def test_two_to_sixteen_rows_take_the_blocked_product_where_out_divides(out):
+    """`out` divisible by ROW_BLOCKS: a batched dot over the blocks, no multiply-and-sum;
+    otherwise the sum. Both equal the float64 product."""
+    rng = np.random.RandomState(out)
+    w = rng.randn(96, out).astype(np.float32)
+    x = rng.randn(5, 96).astype(np.float32)
+    fn = jax.jit(linear)
+    td = transpose_dense(jnp.asarray(w))
+    hlo = fn.lower(jnp.asarray(x), td).as_text()
+    blocked = out % transposed.ROW_BLOCKS == 0
+    assert ("dot_general" in hlo) == blocked and ("reduce" in hlo) != blocked
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), td)), want, rtol=1e-5, atol=1e-4)
