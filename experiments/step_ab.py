@@ -12,7 +12,8 @@ traced under (a variant's program is compiled with its settings and keeps them):
   chunk_keys  keys per attention chunk 64 / 128 / 256 / 512 (one chunk below 512 keys off), to
               see what a single chunk buys against the loop;
   row_forms   the weights' product at T rows: `cpu_layout` as shipped (the blocked product at
-              2-16 rows), its multiply-and-sum, `x @ w` (`inference_layout`), and `cpu_layout`
+              2-16 rows, 5-7 padded to 8 and 9-15 to 16), the same without the padding, its
+              multiply-and-sum, `x @ w` (`inference_layout`), and `cpu_layout`
               with the NT GEMM at every T.
 Each case is T decode rows (--rows) at each of --contexts (T sequences, one row each) and, with
 --prompt, one prefill of that many tokens. The variants alternate call by call (the loop of
@@ -53,7 +54,12 @@ flags.FLAGS.set_default("reps", 15)
 
 @contextlib.contextmanager
 def _settings(
-    fused=None, one_chunk_keys=None, keys_per_chunk=None, reduce_max_rows=None, row_blocks=None
+    fused=None,
+    one_chunk_keys=None,
+    keys_per_chunk=None,
+    reduce_max_rows=None,
+    row_blocks=None,
+    pad_rows=None,
 ):
     """Module settings the variant is laid out and traced under, restored after."""
     names = {
@@ -62,6 +68,7 @@ def _settings(
         (attention, "_KEYS_PER_CHUNK"): keys_per_chunk,
         (transposed, "REDUCE_MAX_ROWS"): reduce_max_rows,
         (transposed, "ROW_BLOCKS"): row_blocks,
+        (transposed, "PAD_ROWS"): pad_rows,
     }
     saved = {k: getattr(*k) for k, v in names.items() if v is not None}
     try:
@@ -92,6 +99,7 @@ def variants(params) -> dict:
     laid = params_mod.cpu_layout(params)
     return {
         "blocked (as shipped)": (laid, {}),
+        "blocked, rows not padded": (laid, {"pad_rows": 0}),
         "multiply-and-sum": (laid, {"row_blocks": 0}),
         "x @ w": (params_mod.inference_layout(params), {}),
         "NT GEMM": (laid, {"reduce_max_rows": 1}),

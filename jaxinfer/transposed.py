@@ -15,13 +15,21 @@ every dense projection this way, and `ops.linear` applies it by the number of ro
                                   NN GEMM that `x @ w` becomes at 2-16 rows costs 2-4x a GEMV, the
                                   sum ~1.3-2x; the blocked product took 0.89-0.93x the sum's
                                   whole SmolLM2 step at 2-8 rows and 0.95x at 16 (BENCHMARKS.md,
-                                  2026-12-04 afternoon), the same weights read in the same order
+                                  2026-12-04 afternoon), the same weights read in the same order;
+                                  above PAD_ABOVE rows, M is padded with zero rows to a multiple
+                                  of PAD_ROWS (see below)
 
 The bound is 16, not the 32 measured faster too (0.8x at 32 rows on SmolLM2): at 32 rows the
 sum segfaulted inside XLA in an engine step of the tiny target (T = 1, 32 logits rows into the
 head; `tests/server/test_bench_serve.py` ran it), though the same product alone ran at every row
 count from 1 to 39. Rows above 16 take the NT GEMM, which the engine, `ji.generate` and the tests
 ran before without a crash.
+
+The blocked product's time is a staircase in M, not a line: a chain of SmolLM2's 30 layers'
+four products took 18-20 ms at 1-4 rows, 27 at 5-7, 23 at 8, 34 at 9-12, 40 at 13-15 and 29.5
+at 16 (an AMD EPYC with AVX-512, 2026-12-04 evening). So 5-7 rows are padded to 8 and 9-15 to
+16: the zero rows cost less than the odd row count (BENCHMARKS.md). A γ = 4 verification is 5
+rows; the engine pads its steps to power-of-two buckets anyway.
 
 The sum (the fallback) has its operands pass through one `optimization_barrier` with the
 weight, so XLA neither fuses the activation's producers into it nor shares (and so
@@ -44,6 +52,8 @@ import jax.numpy as jnp
 
 REDUCE_MAX_ROWS = 16  # see the module docstring: 32 rows crashed XLA in an engine step
 ROW_BLOCKS = 8  # output-row blocks of the 2..REDUCE_MAX_ROWS product (0: the sum everywhere)
+PAD_ROWS = 8  # the blocked product pads M above PAD_ABOVE to a multiple of this (0: no padding)
+PAD_ABOVE = 4
 
 
 @jax.tree_util.register_dataclass
@@ -90,8 +100,11 @@ def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
         out, k = wt.shape
         if ROW_BLOCKS and out % ROW_BLOCKS == 0:
             blocks = wt.reshape(ROW_BLOCKS, out // ROW_BLOCKS, k)  # [nb, out / nb, in]
+            mp = -(-m // PAD_ROWS) * PAD_ROWS if PAD_ROWS and m > PAD_ABOVE else m
+            if mp != m:
+                x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))  # [Mp, in], zero rows appended
             y = jnp.einsum("mi,boi->bmo", x2, blocks, preferred_element_type=jnp.float32)
-            y = jnp.transpose(y, (1, 0, 2)).reshape(m, out)  # [nb, M, out / nb] -> [M, out]
+            y = jnp.transpose(y, (1, 0, 2)).reshape(mp, out)[:m]  # [nb, Mp, out / nb] -> [M, out]
         else:
             x2, wt = jax.lax.optimization_barrier((x2, wt))
             y = jnp.sum(wt[:, None, :] * x2[None, :, :], axis=-1).T  # [out, M] -> [M, out]

@@ -92,3 +92,21 @@ def test_two_to_sixteen_rows_take_the_blocked_product_where_out_divides(out):
     assert ("dot_general" in hlo) == blocked and ("reduce" in hlo) != blocked
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(np.asarray(fn(jnp.asarray(x), td)), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 5, 7, 8, 9, 13, 16])
+def test_the_blocked_product_pads_rows_above_four_to_a_multiple_of_eight(rows):
+    """5-7 rows are computed as 8 and 9-15 as 16 (zero rows appended), 2-4 and multiples of 8
+    as they come; the padding never reaches the result, which equals the float64 product."""
+    rng = np.random.RandomState(rows)
+    w = rng.randn(64, 40).astype(np.float32)
+    x = rng.randn(rows, 64).astype(np.float32)
+    td = transpose_dense(jnp.asarray(w))
+    fn = jax.jit(linear)
+    hlo = fn.lower(jnp.asarray(x), td).as_text()
+    padded = -(-rows // transposed.PAD_ROWS) * transposed.PAD_ROWS if rows > 4 else rows
+    assert (f"tensor<{padded}x64xf32>" in hlo) and (("pad" in hlo) == (padded != rows))
+    got = np.asarray(fn(jnp.asarray(x), td))
+    assert got.shape == (rows, 40)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
