@@ -213,7 +213,8 @@ def prompt_batch(
       pad_to: minimum padded sizes ("seqs", "tokens", "blocks"; `check_pad_to`).
 
     Returns:
-      The PromptBatch: B = bucket(#prompts), T = prompt_bucket(total prompt tokens, 16).
+      The PromptBatch: B = bucket(#prompts), T = prompt_bucket(total prompt tokens, 16); its
+      `tables` are `[B, M]`, the prefill metadata's `[B, min(M, bucket(⌈T / S⌉))]`.
     """
     pad_to = pad_to or {}
     n = len(prompts)
@@ -221,10 +222,15 @@ def prompt_batch(
     lens = [len(p) for p in prompts]
     m = bucket(-(-capacity // block_size), pad_to.get("blocks", 1))
     tables = contiguous_block_tables(b, m)
-    chunks = [SeqChunk(token_list(p), 0, tables[i]) for i, p in enumerate(prompts)]
+    t = prompt_bucket(sum(lens), max(16, pad_to.get("tokens", 16)))
+    # The prefill's tables stop at the blocks its T rows can reach (no prompt is longer than T):
+    # its attention reads every block of its table (one chunk up to 512 keys), and a table sized
+    # for the generated tokens too cost 1.2x the prefill of one 200-token prompt (BENCHMARKS.md).
+    # A function of the static T and M, so it adds no compilation.
+    mp = min(m, bucket(-(-t // block_size)))
+    chunks = [SeqChunk(token_list(p), 0, tables[i, :mp]) for i, p in enumerate(prompts)]
     meta, _ = build_metadata(
-        chunks, block_size, num_tokens=prompt_bucket(sum(lens), max(16, pad_to.get("tokens", 16))),
-        num_seqs=b, max_blocks=m, num_logits=b,
+        chunks, block_size, num_tokens=t, num_seqs=b, max_blocks=mp, num_logits=b,
     )  # fmt: skip
     prompt_lens = np.zeros(b, np.int32)
     prompt_lens[:n] = lens

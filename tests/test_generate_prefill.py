@@ -79,6 +79,53 @@ def test_prompt_bucket_bounds_padding_and_honours_the_minimum():
     assert generate_mod.prompt_bucket(200, minimum=300) >= 300
 
 
+@pytest.mark.parametrize(
+    "lens, max_tokens, want_m, want_prefill",
+    [([200], 64, 32, 16), ([20, 30], 5, 4, 4), ([200] * 8, 64, 32, 32), ([3], 300, 32, 1)],
+)  # fmt: skip
+def test_the_prefill_tables_stop_at_the_blocks_its_rows_can_reach(
+    params, lens, max_tokens, want_m, want_prefill
+):
+    """The decode tables hold the capacity (prompt + max_tokens); the prefill's only the blocks
+    that T padded rows can reach, the same prefix of each sequence's blocks, so one 200-token
+    prompt of a 264-token capacity reads 16 blocks in its prefill, not 32. Greedy tokens equal
+    the step-by-step argmax either way (test_generate), checked here against the full table."""
+    from jaxinfer.requests import prompt_batch
+
+    prompts = [[1 + i % 50] * n for i, n in enumerate(lens)]
+    sp = [ji.SamplingParams(temperature=0, max_tokens=max_tokens)] * len(lens)
+    batch = prompt_batch(prompts, sp, 16, capacity=max(lens) + max_tokens)
+    got = np.asarray(batch.meta.block_tables)
+    assert batch.tables.shape[1] == want_m and got.shape[1] == want_prefill
+    assert (got[: len(lens)] == batch.tables[: len(lens), :want_prefill]).all()
+    assert want_prefill * 16 >= max(lens)
+
+
+def test_a_trimmed_prefill_table_gives_the_full_tables_logits(params):
+    """The prefill's logits with its trimmed table equal those with the decode's full table."""
+    from jaxinfer.cache.metadata import SeqChunk, build_metadata
+    from jaxinfer.model.decoder import forward
+    from jaxinfer.requests import prompt_batch
+
+    prompts = [[7] * 40, [9] * 13]
+    sp = [ji.SamplingParams(temperature=0, max_tokens=200)] * 2
+    batch = prompt_batch(prompts, sp, 16, capacity=240)
+    assert batch.meta.block_tables.shape[1] < batch.tables.shape[1]
+    chunks = [SeqChunk(p, 0, batch.tables[i]) for i, p in enumerate(prompts)]
+    full, _ = build_metadata(
+        chunks, 16, num_tokens=batch.meta.tokens.shape[0], num_seqs=2,
+        max_blocks=batch.tables.shape[1], num_logits=2,
+    )  # fmt: skip
+
+    def on_device(meta):
+        return ji.BatchMetadata(*(jax.numpy.asarray(x) for x in meta.__dict__.values()))
+
+    nb = 1 + batch.tables.size
+    a, _ = forward(params, CFG, on_device(batch.meta), ji.init_cache(CFG, nb, 16))
+    b, _ = forward(params, CFG, on_device(full), ji.init_cache(CFG, nb, 16))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_remembered_layout_is_made_once_and_equals_cpu_layout():
     p = random_params(CFG, seed=5)
     a = remembered_loop_layout(p, "cpu")
