@@ -225,7 +225,8 @@ def prompt_batch(
     t = prompt_bucket(sum(lens), max(16, pad_to.get("tokens", 16)))
     # The prefill's tables stop at the blocks its T rows can reach (no prompt is longer than T):
     # its attention reads every block of its table (one chunk up to 512 keys), and a table sized
-    # for the generated tokens too cost 1.2x the prefill of one 200-token prompt (BENCHMARKS.md).
+    # for the generated tokens too cost 1.14-1.16x the prefill of one 200-token prompt
+    # (BENCHMARKS.md).
     # A function of the static T and M, so it adds no compilation.
     mp = min(m, bucket(-(-t // block_size)))
     chunks = [SeqChunk(token_list(p), 0, tables[i, :mp]) for i, p in enumerate(prompts)]

@@ -104,7 +104,8 @@ def test_the_blocked_product_pads_rows_above_four_to_a_multiple_of_eight(rows):
     td = transpose_dense(jnp.asarray(w))
     fn = jax.jit(linear)
     hlo = fn.lower(jnp.asarray(x), td).as_text()
-    padded = -(-rows // transposed.PAD_ROWS) * transposed.PAD_ROWS if rows > 4 else rows
+    step = transposed.PAD_ROWS
+    padded = -(-rows // step) * step if rows > transposed.PAD_ABOVE else rows
     assert (f"tensor<{padded}x64xf32>" in hlo) and (("pad" in hlo) == (padded != rows))
     got = np.asarray(fn(jnp.asarray(x), td))
     assert got.shape == (rows, 40)
