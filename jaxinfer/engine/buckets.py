@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.checks import as_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops.linear import linear
 from jaxinfer.transposed import TransposedDense
@@ -87,6 +88,22 @@ def measure_token_buckets(
     if len(sizes) == 1:
         return (lo,)
     return choose_buckets(cost_table(cfg, sizes, transposed))
+
+
+def check_buckets(buckets, name: str = "token_buckets") -> tuple[int, ...]:
+    """Explicit token buckets validated: a non-empty sequence of increasing powers of two >= 1
+    (as `measure_token_buckets` returns them), as a tuple of Python ints.
+
+    Raises:
+      ValueError naming `name` and the value otherwise.
+    """
+    if isinstance(buckets, str | bytes) or not isinstance(buckets, Sequence):
+        raise ValueError(f"{name}={buckets!r}: expected a sequence of powers of two")
+    ints = [as_int(b) for b in buckets]  # numpy / jax ints too; bools and floats: None
+    pow2 = all(b is not None and b >= 1 and not b & (b - 1) for b in ints)
+    if not ints or not pow2 or ints != sorted(set(ints)):
+        raise ValueError(f"{name}={buckets!r}: expected increasing powers of two >= 1")
+    return tuple(ints)
 
 
 def pad_tokens(n: int, buckets: Sequence[int]) -> int:

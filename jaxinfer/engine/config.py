@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 
 from jaxinfer.cache.paged import KV_FORMATS
 from jaxinfer.checks import as_int, check_int
+from jaxinfer.engine.buckets import check_buckets
 from jaxinfer.engine.scheduler import SchedulerConfig
 from jaxinfer.ops.attention import BACKENDS
 from jaxinfer.speculative.config import SpeculativeConfig
@@ -37,7 +38,10 @@ class EngineConfig:
       min_token_bucket: smallest padded T (1: a decode step of one request runs one row).
       token_buckets: how T is padded up to 16: "measured" keeps the powers of two from
         min_token_bucket to 16 that a cost table timed at construction says are worth their
-        compilation (`jaxinfer/engine/buckets.py`); "pow2" keeps all of them. Past 16 (or
+        compilation (`jaxinfer/engine/buckets.py`); "pow2" keeps all of them; a sequence of
+        increasing powers of two (the first >= min_token_bucket) is kept as given, e.g.
+        another engine's `Engine.token_buckets`, so that two engines step alike (a measured
+        table can come out differently in two processes). Past the largest bucket (or
         min_token_bucket, if larger), powers of two.
       layout: params layout the step runs on: "auto" takes `inference_layout` on a CPU without a
         TP mesh (a `lax.scan` over stacked weights copies every layer's weights each step there:
@@ -68,7 +72,7 @@ class EngineConfig:
     kv_format: str = "float"
     kv_dtype: str | None = None
     min_token_bucket: int = 1
-    token_buckets: str = "measured"
+    token_buckets: str | tuple[int, ...] = "measured"
     layout: str = "auto"
     min_block_bucket: int = 8
     min_seq_bucket: int = 1
@@ -94,11 +98,20 @@ class EngineConfig:
         if self.long_prefill_threshold is not None:
             t = check_int("EngineConfig.long_prefill_threshold", self.long_prefill_threshold, 1)
             object.__setattr__(self, "long_prefill_threshold", t)
-        if self.token_buckets not in TOKEN_BUCKETS:
-            raise ValueError(
-                f"EngineConfig.token_buckets={self.token_buckets!r}: expected one of "
-                f"{TOKEN_BUCKETS}"
-            )
+        if isinstance(self.token_buckets, str):
+            if self.token_buckets not in TOKEN_BUCKETS:
+                raise ValueError(
+                    f"EngineConfig.token_buckets={self.token_buckets!r}: expected one of "
+                    f"{TOKEN_BUCKETS} or increasing powers of two"
+                )
+        else:
+            buckets = check_buckets(self.token_buckets, "EngineConfig.token_buckets")
+            if buckets[0] < self.min_token_bucket:
+                raise ValueError(
+                    f"EngineConfig.token_buckets={buckets!r} starts below min_token_bucket="
+                    f"{self.min_token_bucket}"
+                )
+            object.__setattr__(self, "token_buckets", buckets)
         if self.layout not in LAYOUTS:
             raise ValueError(f"EngineConfig.layout={self.layout!r}: expected one of {LAYOUTS}")
         if self.backend not in BACKENDS:

@@ -130,11 +130,12 @@ class Engine:
         # on the head's layout the step runs on.
         lo = config.min_token_bucket
         transposed = isinstance(lm_head(self.params), TransposedDense)
-        self.token_buckets = (
-            measure_token_buckets(cfg, lo, transposed=transposed)
-            if config.token_buckets == "measured"
-            else (bucket(lo),)
-        )
+        if config.token_buckets == "measured":
+            self.token_buckets = measure_token_buckets(cfg, lo, transposed=transposed)
+        elif config.token_buckets == "pow2":
+            self.token_buckets = (bucket(lo),)
+        else:  # explicit, validated by EngineConfig
+            self.token_buckets = config.token_buckets
         self.allocator = BlockAllocator(nb, S, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.metrics_collector = MetricsCollector(clock)

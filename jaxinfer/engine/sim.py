@@ -37,6 +37,7 @@ import numpy as np
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.buckets import check_buckets
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.metrics import SLO, MetricsCollector, MetricsSummary
 from jaxinfer.engine.request import Request
@@ -74,7 +75,7 @@ def step_shape(schedule: Schedule, config: EngineConfig, token_buckets: Sequence
 
 def config_token_buckets(config: EngineConfig) -> tuple[int, ...]:
     """The token buckets an engine of `config` pads T to, where the config alone fixes them
-    ("pow2": every power of two from min_token_bucket, as `Engine.__init__`).
+    ("pow2": every power of two from min_token_bucket, as `Engine.__init__`; or explicit ones).
 
     Raises:
       ValueError: token_buckets="measured": the buckets come from a cost table timed on the
@@ -82,6 +83,8 @@ def config_token_buckets(config: EngineConfig) -> tuple[int, ...]:
     """
     if config.token_buckets == "pow2":
         return (bucket(config.min_token_bucket),)
+    if not isinstance(config.token_buckets, str):  # explicit, validated by EngineConfig
+        return config.token_buckets
     raise ValueError(
         f"EngineConfig.token_buckets={config.token_buckets!r}: the buckets are measured when an "
         "engine is built, so pass that engine's: Simulator(config, model, "
@@ -342,14 +345,7 @@ def check_token_buckets(config: EngineConfig, token_buckets: Sequence[int] | Non
     """`token_buckets` validated (None: `config_token_buckets(config)`)."""
     if token_buckets is None:
         token_buckets = config_token_buckets(config)
-    token_buckets = tuple(token_buckets)
-    pow2 = all(isinstance(b, int) and b >= 1 and not b & (b - 1) for b in token_buckets)
-    if not token_buckets or not pow2 or list(token_buckets) != sorted(set(token_buckets)):
-        raise ValueError(
-            f"token_buckets={token_buckets!r}: expected increasing powers of two >= 1 "
-            "(an engine's Engine.token_buckets)"
-        )
-    return token_buckets
+    return check_buckets(token_buckets)
 
 
 def request_ids(requests: Sequence[SimRequest]) -> list[tuple[Hashable, SimRequest]]:

@@ -50,12 +50,15 @@ def test_measure_token_buckets_range():
         dict(min_token_bucket=1, token_buckets="pow2", layout="stacked"),
         dict(min_token_bucket=1, token_buckets="measured", layout="auto"),
         dict(min_token_bucket=16, token_buckets="pow2", layout="auto"),
+        dict(min_token_bucket=1, token_buckets=(2, 8), layout="auto"),  # another engine's
     ],
 )
 def test_engine_buckets_and_layout_match_generate(params, extra):
     engine = Engine(CFG, params, EngineConfig(**BASE, **extra))
     if extra["token_buckets"] == "pow2":
         assert engine.token_buckets == (extra["min_token_bucket"],)
+    elif extra["token_buckets"] != "measured":  # explicit: kept as given
+        assert engine.token_buckets == extra["token_buckets"]
     stacked = isinstance(engine.params["layers"], dict)
     assert stacked == (extra["layout"] == "stacked" or jax.default_backend() != "cpu")
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 9, 1]]
@@ -68,9 +71,24 @@ def test_engine_buckets_and_layout_match_generate(params, extra):
     assert all(t in engine.token_buckets or t > engine.token_buckets[-1] for t in ts), ts
     if extra == dict(min_token_bucket=1, token_buckets="pow2", layout="stacked"):
         assert min(ts) <= 4  # decode steps of 3 requests are not padded to 16 rows
+    if extra["token_buckets"] == (2, 8):
+        assert 2 not in ts and 8 in ts  # 3 decode rows pad to 8; no step has 2 tokens or fewer
 
 
 @pytest.mark.parametrize("field,value", [("token_buckets", "fixed"), ("layout", "unrolled")])
 def test_bad_bucket_and_layout_settings(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [(), (3,), (4, 2), (2, 2), (True,), (1.0, 2.0), [0, 1], "1,2"])
+def test_bad_explicit_token_buckets(value):
+    with pytest.raises(ValueError, match="token_buckets="):
+        EngineConfig(token_buckets=value)
+
+
+def test_explicit_token_buckets_are_a_tuple_from_min_token_bucket():
+    config = EngineConfig(token_buckets=[1, 4, 16])
+    assert config.token_buckets == (1, 4, 16) and hash(config) is not None
+    with pytest.raises(ValueError, match="starts below min_token_bucket=2"):
+        EngineConfig(token_buckets=(1, 4), min_token_bucket=2)

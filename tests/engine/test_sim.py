@@ -169,6 +169,7 @@ def test_token_buckets_come_from_the_engine_when_measured():
     with pytest.raises(ValueError, match="token_buckets='measured'.*engine.token_buckets"):
         Simulator(ji.EngineConfig(), MODEL)
     assert config_token_buckets(ji.EngineConfig(token_buckets="pow2", min_token_bucket=3)) == (4,)
+    assert config_token_buckets(ji.EngineConfig(token_buckets=(2, 8))) == (2, 8)  # explicit
     for bad in [(), (4, 2), (3,), (1, 1), (0,)]:
         with pytest.raises(ValueError, match="token_buckets="):
             Simulator(CONFIG, MODEL, token_buckets=bad)
