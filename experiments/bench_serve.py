@@ -333,9 +333,9 @@ def _serve_http(base_url, model, reqs, slo, server) -> dict:
     return res
 
 
-def _serve_in_process(cfg, params, bc, reqs, slo) -> dict:
+def _serve_in_process(cfg, params, ecfg, reqs, slo) -> dict:
     load, cpu0 = common.load_average(), time.process_time()
-    res = sb.run_engine(cfg, params, sb.engine_config(bc, "engine"), reqs, slo)
+    res = sb.run_engine(cfg, params, ecfg, reqs, slo)
     res.update(
         load_avg_1m=load,
         server_cpu_ms_per_token=_cpu_ms_per_token(time.process_time() - cpu0, res),
@@ -379,10 +379,11 @@ def paired(pairs: list[dict]) -> dict | None:
 
 
 def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
-    """Each rate over HTTP and in-process, --repeats times, the two interleaved with their order
-    alternating; with CPU ms per output token of the server process, of this process's clients,
-    and of the in-process engine (this process). `runs[path][k]` is rate k's first repeat (with
-    every repeat under "repeats"); `paired[k]` compares the repeats pair by pair."""
+    """Each rate over HTTP and in-process (`in_process`: (cfg, params, EngineConfig), or None),
+    --repeats times, the two interleaved with their order alternating; with CPU ms per output
+    token of the server process, of this process's clients, and of the in-process engine (this
+    process). `runs[path][k]` is rate k's first repeat (with every repeat under "repeats");
+    `paired[k]` compares the repeats pair by pair."""
     out = {}
     for name in bc.workloads:
         cap = capacity(base_url, model, name, bc, vocab)
@@ -399,7 +400,7 @@ def sweep(base_url, model, bc, slo, vocab, in_process, server=None) -> dict:
                     if path == "http":
                         pair[path] = _serve_http(base_url, model, reqs, slo, server)
                     elif in_process is not None:
-                        pair[path] = _serve_in_process(*in_process, bc, reqs, slo)
+                        pair[path] = _serve_in_process(*in_process, reqs, slo)
                 pairs.append(pair)
             for path in pairs[0]:
                 runs[path].append(dict(pairs[0][path], repeats=[p[path] for p in pairs]))
@@ -566,17 +567,28 @@ def main(argv):
         else:
             slo = derive_slo(base_url, model, bc)
             logging.info("SLO: TTFT <= %.3f s, TPOT <= %.4f s", slo.ttft_s, slo.tpot_s)
+            twin, buckets_used = None, None
             if in_process:
-                sb.warm_engine(*cfg_params, sb.engine_config(bc, "engine"), bc.max_len)
-            results = sweep(
-                base_url, model, bc, slo, vocab, cfg_params if in_process else None, server
-            )  # fmt: skip
+                # The server's T buckets: each process measures its own cost table, and two
+                # tables can keep different buckets, so the two paths would pad steps apart
+                # and their difference would not be the HTTP overhead alone.
+                buckets = httpx.get(base_url + "/health").json().get("token_buckets")
+                ecfg = sb.engine_config(bc, "engine")
+                if buckets:
+                    ecfg = dataclasses.replace(ecfg, token_buckets=tuple(buckets))
+                logging.info("token buckets: server %s, in-process %s", buckets,
+                             ecfg.token_buckets)  # fmt: skip
+                sb.warm_engine(*cfg_params, ecfg, bc.max_len)
+                twin = (*cfg_params, ecfg)
+                buckets_used = {"server": buckets, "in_process": list(ecfg.token_buckets)}
+            results = sweep(base_url, model, bc, slo, vocab, twin, server)
             command = "python -m experiments.bench_serve " + " ".join(sys.argv[1:])
             pngs = plot(results, workdir)
             md = markdown(bc, slo, results, command)
             with open(os.path.join(workdir, "bench_serve.md"), "w") as f:
                 f.write(md)
-            out = {"slo": dataclasses.asdict(slo), "workloads": results, "plots": pngs}
+            out = {"slo": dataclasses.asdict(slo), "workloads": results, "plots": pngs,
+                   "token_buckets": buckets_used}  # fmt: skip
             print(md)
     finally:
         exit_code = server.stop() if server else None

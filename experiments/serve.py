@@ -37,6 +37,7 @@ from absl import app, flags, logging
 import jaxinfer as ji
 from jaxinfer.cache.metadata import bucket
 from jaxinfer.engine import cycles
+from jaxinfer.engine.config import TOKEN_BUCKETS
 from jaxinfer.server.detokenizer import decode
 
 _MODEL = flags.DEFINE_string("model", "target", "Shipped model name or HF checkpoint dir.")
@@ -71,6 +72,11 @@ _MAX_MODEL_LEN = flags.DEFINE_integer(
 _MIN_TOKEN_BUCKET = flags.DEFINE_integer(
     "min_token_bucket", ji.EngineConfig.min_token_bucket, "Smallest padded T.", lower_bound=1
 )
+_TOKEN_BUCKETS = flags.DEFINE_string(
+    "token_buckets", "measured",
+    "T buckets up to 16: 'measured', 'pow2', or powers of two, e.g. 1,2,4,16 (another "
+    "engine's, so two engines step alike).",
+)  # fmt: skip
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile every step shape before serving.")
 _SPECULATIVE = flags.DEFINE_enum(
     "speculative", "none", ["none", "ngram", "model", "head"], "Speculative decoding's drafter."
@@ -105,6 +111,31 @@ def _model_is_valid(value: str) -> bool:
 flags.register_validator(
     "model", _model_is_valid, "--model must be a shipped model name or an existing path"
 )
+
+
+def token_buckets(value: str) -> str | tuple[int, ...]:
+    """--token_buckets as EngineConfig.token_buckets: a policy name or a tuple of ints."""
+    if value in TOKEN_BUCKETS:
+        return value
+    try:
+        return tuple(int(b) for b in value.split(","))
+    except ValueError:
+        msg = f"--token_buckets={value!r}: expected 'measured', 'pow2' or ints"
+        raise ValueError(msg) from None
+
+
+def _token_buckets_are_valid(value: str) -> bool:
+    try:
+        ji.EngineConfig(token_buckets=token_buckets(value))
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator(
+    "token_buckets", _token_buckets_are_valid,
+    "--token_buckets must be 'measured', 'pow2' or increasing powers of two, e.g. 1,2,4,16",
+)  # fmt: skip
 
 
 def _num_spec_is_valid(value: str) -> bool:
@@ -182,6 +213,7 @@ def engine_config(
     min_token_bucket: int = ji.EngineConfig.min_token_bucket,
     speculative: ji.SpeculativeConfig | None = None,
     cycle_log: str | None = None,
+    token_buckets: str | tuple[int, ...] = "measured",
 ) -> ji.EngineConfig:
     """The served engine's config (bench_serve.py builds the in-process twin with it)."""
     S = block_size
@@ -197,6 +229,7 @@ def engine_config(
         min_seq_bucket=max_num_seqs,
         min_block_bucket=bucket(math.ceil(max_len / S)),
         min_token_bucket=min_token_bucket,
+        token_buckets=token_buckets,
         speculative=speculative,
         cycle_log=cycle_log,
     )
@@ -235,7 +268,7 @@ def main(argv):
     ecfg = engine_config(
         cfg, _BLOCK_SIZE.value, _NUM_BLOCKS.value, _MAX_NUM_SEQS.value, _MAX_BATCHED.value,
         _PREFIX_CACHING.value, _BACKEND.value, _MAX_MODEL_LEN.value, _MIN_TOKEN_BUCKET.value,
-        spec, _CYCLE_LOG.value,
+        spec, _CYCLE_LOG.value, token_buckets(_TOKEN_BUCKETS.value),
     )  # fmt: skip
     engine = ji.Engine(cfg, params, ecfg, detokenize=lambda ids: decode(tok, ids))
     if _WARMUP.value:

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI routes that validate, enqueue on the engine thread and stream.
 
-    GET  /health               200 while the engine thread runs
+    GET  /health               200 while the engine thread runs, with the engine's T buckets
     GET  /v1/models            the one served model
     GET  /metrics              Prometheus text (metrics.py)
     POST /reset_prefix_cache   forgets every unused cached block (vLLM's route), for benchmarks
@@ -194,7 +194,8 @@ def build_app(
     async def health():
         if not engine.alive:
             raise P.APIError(503, "the engine is not running")
-        return {"status": "ok"}
+        # The T buckets its steps pad to: a benchmark's in-process twin takes the same ones.
+        return {"status": "ok", "token_buckets": list(engine.engine.token_buckets)}
 
     @app.get("/v1/models")
     async def models():

@@ -29,7 +29,8 @@ def _reference(model, ids, max_tokens, **kw):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health == {"status": "ok", "token_buckets": list(server.engine.engine.token_buckets)}
     r = httpx.get(server.url + "/nope")
     assert r.status_code == 404 and "error" in r.json()
 

@@ -35,6 +35,7 @@ def _spawn(*flags):
         ["--speculative=model"],  # without --draft_model
         ["--speculative=head"],  # without --draft_head
         ["--speculative=head", "--draft_head=no-such-head"],
+        ["--token_buckets=1,3"], ["--token_buckets=fixed"],
     ],
 )  # fmt: skip
 def test_bad_flags_fail_at_parse_time(flags):
@@ -59,9 +60,11 @@ def test_speculative_flags_metrics_and_logs(tmp_path):
         "--model=target", "--port=0", "--num_blocks=65", "--max_num_seqs=2",
         "--max_num_batched_tokens=32", "--nowarmup", "--speculative=ngram",
         "--num_speculative_tokens=2", f"--cycle_log={cycles}", f"--request_log={requests}",
+        "--token_buckets=1,4",
     )  # fmt: skip
     try:
         url = _wait_serving(proc)
+        assert httpx.get(url + "/health").json()["token_buckets"] == [1, 4]  # as given
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         r = client.completions.create(
             model="target", prompt="a b c a b c a b c a b", max_tokens=8, temperature=0
