@@ -9,18 +9,22 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
 --chunk_budget, --rates / --rate_fractions, --seed, --slo_ttft_s / --slo_tpot_s, --prompts,
 --quick;
 --model also takes a `ji.models` name). Per workload:
-  calibrate  requests of --calib_seed (never the measured ones) served in real time twice, as a
-             burst (its request throughput is the engine's capacity) and at half of it; each
-             engine step is timed from the end of the previous one (or the end of an idle wait),
-             so a step's price includes the driver's work between steps (adding requests); a
-             step that compiled is left out (it prices the compiler); the step-time models are
-             fitted on those (shape, seconds) pairs: `TableStepTime` (the prediction) and
-             `LinearStepTime` (reported beside it, to show why it is not used);
+  calibrate  requests of --calib_seed (never the measured ones) served in real time: a burst
+             first (its request throughput is the engine's capacity), then, before every
+             measured run, the same number of them at that run's rate (so the fitted steps
+             cover the shapes each rate batches, and share the machine's spell with the
+             measured runs: fitted on a burst and a half-capacity run made minutes before,
+             the table priced measured steps 2-25% low, and near capacity that is a queue);
+             each engine step is timed from the end of the previous one (or the end of an idle
+             wait), so a step's price includes the driver's work between steps (adding
+             requests); a step that compiled is left out (it prices the compiler); the
+             step-time models are fitted on those (shape, seconds) pairs: `TableStepTime` (the
+             prediction) and `LinearStepTime` (reported beside it, to show why it is not used);
              the median lateness of the driver's wake-ups for arrivals after an idle sleep
              (`Simulator(idle_wake_s=...)`: an idle real-time driver oversleeps), and the
              median excess of the first step after such a sleep over its shape's price
              (`idle_step_s`: it starts on parked threads and cold caches; those steps are not
-             in the fits), both also from a third run, min(--num_requests, 8) requests at a
+             in the fits), both also from a last run, min(--num_requests, 8) requests at a
              tenth of capacity, most of which arrive at an idle engine;
   measure    at each rate (default 0.25, 0.5, 0.9 of capacity) the requests of --seed served in
              real time by a fresh engine (the calibration's driver, timing every step),
@@ -113,30 +117,28 @@ def serve_timed(
     return samples
 
 
-def calibrate(cfg, params, ecfg, bc, name: str, text=None) -> dict:
-    """Capacity and fitted step-time models from requests of --calib_seed."""
-    n, seed, vocab = bc.num_requests, _CALIB_SEED.value, cfg.vocab_size
-    burst = ji.Engine(cfg, params, ecfg)
-    samples = serve_timed(burst, sb.make_requests(name, n, bc.max_len, vocab, math.inf, seed, text))
-    capacity = burst.metrics().request_throughput
-    half, wakes, cold = ji.Engine(cfg, params, ecfg), [], []
-    samples += serve_timed(
-        half, sb.make_requests(name, n, bc.max_len, vocab, capacity / 2, seed, text), wakes, cold
+def measured_rates(bc, capacity: float) -> tuple[float, ...]:
+    """The rates to measure: --rates, or --rate_fractions (default DEFAULT_FRACTIONS) of it."""
+    fractions = bc.rate_fractions if sb._RATE_FRACTIONS.present else DEFAULT_FRACTIONS
+    return bc.rates or tuple(round(f * capacity, 3) for f in fractions)
+
+
+def capacity_run(cfg, params, ecfg, bc, name: str, text=None) -> tuple[float, tuple, list]:
+    """A burst of --calib_seed requests: (capacity req/s, the engine's token buckets, steps)."""
+    engine = ji.Engine(cfg, params, ecfg)
+    reqs = sb.make_requests(
+        name, bc.num_requests, bc.max_len, cfg.vocab_size, math.inf, _CALIB_SEED.value, text
     )
-    # The idle probe: a few more requests at a tenth of capacity, so that most arrive at an
-    # idle engine. The half-capacity run idles rarely (0-3 waits in a run), too few to price
-    # the first step after a sleep, and one outlier set the mean (a 9.9 ms excess from 1 step).
-    probe = ji.Engine(cfg, params, ecfg)
-    samples += serve_timed(
-        probe,
-        sb.make_requests(name, min(n, 8), bc.max_len, vocab, capacity / 10, seed, text),
-        wakes,
-        cold,
-    )
+    samples = serve_timed(engine, reqs)
+    return engine.metrics().request_throughput, engine.token_buckets, samples
+
+
+def fit_calibration(capacity: float, buckets, samples: list, wakes: list, cold: list) -> dict:
+    """The fitted step-time models and idle terms of the calibration runs' steps."""
     table = TableStepTime.fit(samples)
     return {
         "capacity_rps": capacity,
-        "token_buckets": burst.token_buckets,
+        "token_buckets": buckets,
         "num_samples": len(samples),
         "table": table,
         "linear": LinearStepTime.fit(samples),
@@ -180,18 +182,20 @@ def cell(pred: dict, measured: list[dict], tolerance: float) -> dict:
 
 def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
     ecfg = sb.engine_config(bc, "engine")
-    cal = calibrate(cfg, params, ecfg, bc, name, text)
-    fractions = bc.rate_fractions if sb._RATE_FRACTIONS.present else DEFAULT_FRACTIONS
-    rates = bc.rates or tuple(round(f * cal["capacity_rps"], 3) for f in fractions)
-    logging.info("%s: capacity %.2f req/s, rates %s, idle wake %.2e s, idle step +%.2e s "
-                 "(%d steps), %s", name, cal["capacity_rps"], rates, cal["idle_wake_s"],
-                 cal["idle_step_s"], cal["num_cold_steps"], cal["table"])  # fmt: skip
-    reqs = {r: sb.make_requests(name, bc.num_requests, bc.max_len, cfg.vocab_size, r, bc.seed,
-                                text) for r in rates}  # fmt: skip
+    n, vocab = bc.num_requests, cfg.vocab_size
+    capacity, buckets, samples = capacity_run(cfg, params, ecfg, bc, name, text)
+    rates = measured_rates(bc, capacity)
+    logging.info("%s: capacity %.2f req/s, rates %s", name, capacity, rates)
+    calib = {r: sb.make_requests(name, n, bc.max_len, vocab, r, _CALIB_SEED.value, text)
+             for r in rates}  # fmt: skip
+    reqs = {r: sb.make_requests(name, n, bc.max_len, vocab, r, bc.seed, text) for r in rates}
     measured = {r: [] for r in rates}
     steps = {r: [] for r in rates}  # every measured run's (shape, seconds) per step
+    wakes, cold = [], []
     for k in range(_REPEATS.value):  # interleaved: every rate once per round
         for r in rates:
+            # Calibration first: other requests at the same rate, just before the measured run.
+            samples += serve_timed(ji.Engine(cfg, params, ecfg), calib[r], wakes, cold)
             engine = ji.Engine(cfg, params, ecfg)
             steps[r] += serve_timed(engine, reqs[r])
             out = workload.summarize(engine.metrics_collector, slo)
@@ -201,6 +205,15 @@ def check_workload(cfg, params, bc, name: str, slo, text=None) -> dict:
             m = out["summary"]
             logging.info("%s rate %.2f repeat %d: TTFT p50 %.4f s, TPOT p50 %.4f s, goodput %.2f",
                          name, r, k, m["ttft"]["p50"], m["tpot"]["p50"], m["goodput"])  # fmt: skip
+    # The idle probe: a few more requests at a tenth of capacity, so that most arrive at an
+    # idle engine. Runs near capacity idle rarely (0-3 waits in a run), too few to price
+    # the first step after a sleep, and one outlier set the mean (a 9.9 ms excess from 1 step).
+    probe = sb.make_requests(name, min(n, 8), bc.max_len, vocab, capacity / 10,
+                             _CALIB_SEED.value, text)  # fmt: skip
+    samples += serve_timed(ji.Engine(cfg, params, ecfg), probe, wakes, cold)
+    cal = fit_calibration(capacity, buckets, samples, wakes, cold)
+    logging.info("%s: idle wake %.2e s, idle step +%.2e s (%d steps), %s", name, cal["idle_wake_s"],
+                 cal["idle_step_s"], cal["num_cold_steps"], cal["table"])  # fmt: skip
     rows = []
     for r in rates:
         sim_reqs = [SimRequest(q.arrival, q.prompt, q.max_tokens, request_id=i)
