@@ -89,6 +89,10 @@ CASES = {
         (["--compare=row_forms", "--contexts=100,1000"], None),
         (["--compare=heads"], "should be one of"),
         (["--contexts=256,0"], "0 is not an integer >= 1"),
+        (["--compare=attention", "--verify=1,5", "--prompts=8", "--products=1,2"], None),
+        (["--products=0"], "0 is not an integer >= 1"),
+        (["--verify=1,0"], "0 is not an integer >= 1"),
+        (["--prompts=0"], "not a positive integer"),
     ],
     "linear_bench": [
         ([], None),
