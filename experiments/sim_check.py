@@ -14,7 +14,8 @@ ours: --workloads, --num_requests, --max_len, --kv_slots, --block_size, --max_nu
              measured run, the same number of them at that run's rate (so the fitted steps
              cover the shapes each rate batches, and share the machine's spell with the
              measured runs: fitted on a burst and a half-capacity run made minutes before,
-             the table priced measured steps 2-25% low, and near capacity that is a queue);
+             the table priced measured steps 22% low to 16% high, and near capacity a step
+             priced low is a queue the prediction misses);
              each engine step is timed from the end of the previous one (or the end of an idle
              wait), so a step's price includes the driver's work between steps (adding
              requests); a step that compiled is left out (it prices the compiler); the
