@@ -84,6 +84,7 @@ CASES = {
         (["--kv_formats=float,int4"], r"'int4' is not one of float, int8, fp8"),
         (["--cache_blocks=0"], "0 is not an integer >= 1"),
     ],
+    "bucket_tables": [([], None), (["--processes=0"], "not a positive integer")],
     "step_ab": [
         ([], None),
         (["--compare=row_forms", "--contexts=100,1000"], None),
