@@ -15,6 +15,13 @@ compilation, not a model step's.
 Going down from hi, a bucket is kept when it costs at most `1 - margin` of the smallest bucket
 kept above it: padding a step to the next kept bucket then costs less than `margin` more, and
 each dropped bucket is one compilation fewer. Past hi, T is a power of two as before.
+
+The margin is 5%, not more, because the two mistakes are not alike. A bucket kept in vain costs
+one compilation; a bucket dropped in vain costs every step of its size. The head's product also
+understates what few rows save in the whole step. On SmolLM2 (an Intel CPU, the CPU layout) the
+1-row head product took 0.79-0.92 of the 4-row one from one fresh process to the next, and the
+layers' products 0.80. At a 10% margin two processes of six dropped bucket 1, so their engines
+ran every one-request decode step at 4 rows (BENCHMARKS.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.ops.linear import linear
 from jaxinfer.transposed import TransposedDense
 
-MARGIN = 0.1  # keep a bucket when it saves at least this fraction of the next kept one's cost
+MARGIN = 0.05  # keep a bucket when it saves at least this fraction of the next kept one's cost
 _REPEATS = 15  # timed calls per T; the table keeps the minimum (the least disturbed)
 
 

@@ -21,9 +21,14 @@ def params():
 
 
 def test_choose_buckets_keeps_the_buckets_worth_their_compilation():
-    # 1 saves under 10% of 2 (1.0 > 0.9 * 1.05): dropped; 2 saves 12.5% of 4: kept; and so on.
-    table = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.5, 16: 3.0}
+    # 1 saves under 5% of 2 (1.0 > 0.95 * 1.03): dropped; 2 saves 14% of 4: kept; and so on.
+    table = {1: 1.0, 2: 1.03, 4: 1.2, 8: 1.5, 16: 3.0}
     assert choose_buckets(table) == (2, 4, 8, 16)
+    assert choose_buckets(table, margin=0.25) == (2, 8, 16)  # 4 saves 20% of 8, 2 saves 31%
+    # SmolLM2's head table (ms) of a process that dropped 1 at a 10% margin: 1 saves 8% of 4.
+    smollm2 = {1: 2.14, 2: 2.47, 4: 2.33, 8: 2.71, 16: 3.91}
+    assert choose_buckets(smollm2) == (1, 4, 8, 16)
+    assert choose_buckets(smollm2, margin=0.1) == (4, 8, 16)
     assert choose_buckets({1: 1.0, 2: 1.0, 4: 1.01, 8: 0.99, 16: 1.02}) == (16,)  # flat: GPU-like
     assert choose_buckets({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}) == (1, 2, 4, 8, 16)
     assert choose_buckets(table, margin=0.0) == (1, 2, 4, 8, 16)
