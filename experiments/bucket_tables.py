@@ -7,9 +7,9 @@ An engine with `token_buckets="measured"` times the head's product at T = 1, 2, 
 process (`jaxinfer/engine/buckets.py`) and keeps a bucket when it saves at least the margin of the
 next kept one. A bucket whose saving sits near the margin is kept in one process and dropped in
 another, and two engines in two processes (a server and its in-process twin) then pad their steps
-differently; `EngineConfig(token_buckets=...)` fixes them. Each process here measures the table of
-the CPU layout's head (`TransposedDense`, as the engine on a CPU runs it) and prints the kept
-buckets and the table in ms.
+differently; `EngineConfig(token_buckets=...)` fixes them. Each process here loads the model,
+lays it out as an engine does (on a CPU: `TransposedDense` weights), measures the table of its
+head and prints the kept buckets and the table in ms.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ _CHILD = """
 import json, sys
 import jaxinfer as ji
 from jaxinfer.engine.buckets import choose_buckets, cost_table
-cfg, _ = ji.load_checkpoint(sys.argv[1])
-table = cost_table(cfg, [1, 2, 4, 8, 16], transposed=True)
+from jaxinfer.model.params import remembered_loop_layout
+from jaxinfer.ops.backend import resolve_platform
+cfg, params = ji.load_checkpoint(sys.argv[1])
+params = remembered_loop_layout(params, resolve_platform())  # the layout an engine steps on
+table = cost_table(cfg, params, [1, 2, 4, 8, 16])
 print(json.dumps({"kept": choose_buckets(table), "ms": {t: 1e3 * s for t, s in table.items()}}))
 """
 

@@ -66,7 +66,7 @@ from jaxinfer.engine.step import (  # noqa: F401  (_step, _copy, _copy_groups: r
     apply_copies,
     build_batch,
 )
-from jaxinfer.model.params import check_params, lm_head, remembered_loop_layout
+from jaxinfer.model.params import check_params, remembered_loop_layout
 from jaxinfer.ops.backend import resolve_platform
 from jaxinfer.requests import (
     GenerationOutput,
@@ -76,7 +76,6 @@ from jaxinfer.requests import (
     validate_requests,
 )
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.transposed import TransposedDense
 
 
 @dataclasses.dataclass
@@ -127,11 +126,10 @@ class Engine:
         if config.layout == "auto" and self.mesh is None:
             self.params = remembered_loop_layout(self.params, self.platform)  # as ji.generate
         # T buckets up to 16 by a measured cost table (config.token_buckets, buckets.py), timed
-        # on the head's layout the step runs on.
+        # on the head the step runs on.
         lo = config.min_token_bucket
-        transposed = isinstance(lm_head(self.params), TransposedDense)
         if config.token_buckets == "measured":
-            self.token_buckets = measure_token_buckets(cfg, lo, transposed=transposed)
+            self.token_buckets = measure_token_buckets(cfg, self.params, lo)
         elif config.token_buckets == "pow2":
             self.token_buckets = (bucket(lo),)
         else:  # explicit, validated by EngineConfig

@@ -7,8 +7,11 @@ import jax
 import pytest
 
 import jaxinfer as ji
-from jaxinfer.engine import Engine, EngineConfig
-from jaxinfer.engine.buckets import choose_buckets, measure_token_buckets, pad_tokens
+from jaxinfer.engine import Engine, EngineConfig, buckets
+from jaxinfer.engine.buckets import choose_buckets, cost_table, measure_token_buckets, pad_tokens
+from jaxinfer.ops.linear import linear
+from jaxinfer.quant import quantize_int8, rtn_quantize
+from jaxinfer.transposed import transpose_dense
 from tests.helpers import random_params
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
@@ -40,13 +43,60 @@ def test_pad_tokens():
     assert got == [2, 2, 4, 16, 16, 32, 128]
 
 
-def test_measure_token_buckets_range():
-    assert measure_token_buckets(CFG, 16) == (16,)  # nothing to measure
-    assert measure_token_buckets(CFG, 64) == (64,)
-    got = measure_token_buckets(CFG, 3)  # from 4 up to 16
+def test_measure_token_buckets_range(params):
+    assert measure_token_buckets(CFG, params, 16) == (16,)  # nothing to measure
+    assert measure_token_buckets(CFG, params, 64) == (64,)
+    got = measure_token_buckets(CFG, params, 3)  # from 4 up to 16
     assert got[-1] == 16 and set(got) <= {4, 8, 16} and list(got) == sorted(got)
-    got = measure_token_buckets(CFG, 1, transposed=True)  # the CPU layout's head, [V, E]
-    assert got[-1] == 16 and set(got) <= {1, 2, 4, 8, 16} and list(got) == sorted(got)
+
+
+def _heads(params):
+    """The head forms a step runs on: dense, tied, transposed (the CPU layout), int8, int4."""
+    tied = {k: v for k, v in params.items() if k != "lm_head"}
+    return {
+        "dense": params,
+        "tied": tied,
+        "transposed": {**params, "lm_head": transpose_dense(params["lm_head"])},
+        "int8": {**params, "lm_head": quantize_int8(params["lm_head"])},
+        "int4": {**params, "lm_head": rtn_quantize(params["lm_head"], group_size=32)},
+    }
+
+
+def test_cost_table_times_the_params_own_head(params, monkeypatch):
+    """Every head form is timed as the step holds it, and a table is measured once per head form
+    (and range): engines built alike share their buckets."""
+    timed, traced = [], []
+
+    def counting(cfg, p, sizes):
+        timed.append(buckets._head_form(p))
+        return cost_table(cfg, p, sizes)
+
+    def recording(x, w):
+        traced.append(("array" if isinstance(w, jax.core.Tracer) else type(w).__name__, w.shape))
+        return linear(x, w)
+
+    monkeypatch.setattr(buckets, "_MEASURED", {})
+    monkeypatch.setattr(buckets, "cost_table", counting)
+    monkeypatch.setattr(buckets, "linear", recording)
+    buckets._probe.clear_cache()  # traced again, through `recording`
+    heads = _heads(params)
+    e, v = CFG.hidden_size, CFG.vocab_size
+    for name, p in heads.items():
+        traced.clear()
+        table = cost_table(CFG, p, [1, 2, 4])
+        assert sorted(table) == [1, 2, 4] and all(0 < s < 1 for s in table.values()), name
+        kind = {"transposed": "TransposedDense", "int8": "Int8Weight", "int4": "Int4Weight"}
+        assert traced and all(t == (kind.get(name, "array"), (e, v)) for t in traced), name
+        got = measure_token_buckets(CFG, p, 1)
+        assert got[-1] == 16 and set(got) <= {1, 2, 4, 8, 16} and list(got) == sorted(got)
+    assert len(timed) == len(heads) == len(set(timed))  # five forms, five tables
+    for p in heads.values():  # the same forms again, other values: no new table
+        again = jax.tree_util.tree_map(lambda x: x + 1 if x.dtype.kind == "f" else x, p)
+        measure_token_buckets(CFG, again, 1)
+    assert len(timed) == len(heads)
+    measure_token_buckets(CFG, heads["dense"], 2)  # another range: a table of its own
+    assert len(timed) == len(heads) + 1
+    buckets._probe.clear_cache()  # not through `recording` after this test
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,9 @@ def test_simulated_shapes_equal_the_engines_with_its_token_buckets(model, monkey
     as the engine did."""
     cfg, params = model
     if buckets != "measured":
-        monkeypatch.setattr(engine_module, "measure_token_buckets", lambda cfg, lo, **kw: buckets)
+        monkeypatch.setattr(
+            engine_module, "measure_token_buckets", lambda cfg, params, lo, **kw: buckets
+        )
     workload = _workload(2)
     engine, shapes = _engine_on_model_clock(cfg, params, CONFIG, workload, MODEL)
     if buckets != "measured":
