@@ -185,6 +185,8 @@ BAD = [
     ("temperature", {"temperature": True}),
     ("top_p", {"top_p": 0}),
     ("top_p", {"top_p": 1.5}),
+    ("top_p", {"top_p": 1e-46}),  # below float32: was accepted and kept every token
+    ("temperature", {"temperature": 1e-40}),  # logits / T overflowed: was token 0, not argmax
     ("top_k", {"top_k": -2}),
     ("top_k", {"top_k": 1.5}),
     ("min_p", {"min_p": 2}),
