@@ -157,6 +157,10 @@ def _prepare(messages: Sequence[Mapping]) -> list[dict]:
     return out
 
 
+def _is_list(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str | bytes)
+
+
 def _check_messages(messages: Sequence[Mapping]) -> None:
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r}")
@@ -234,10 +238,16 @@ def apply_chat_template(
         raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt exclude each other")
-    if tools is not None and any(not isinstance(t, Mapping) for t in tools):
-        raise ValueError("tools must be JSON schemas (dicts)")
-    if documents is not None and any(not isinstance(d, Mapping) for d in documents):
-        raise ValueError("documents must be dicts with 'title' and 'text'")
+    if tools is not None and (
+        not _is_list(tools) or any(not isinstance(t, Mapping) for t in tools)
+    ):
+        raise ValueError(f"tools must be a list of JSON schemas (dicts), got {tools!r}")
+    if documents is not None and (
+        not _is_list(documents) or any(not isinstance(d, Mapping) for d in documents)
+    ):
+        raise ValueError(
+            f"documents must be a list of dicts with 'title' and 'text', got {documents!r}"
+        )
     _check_messages(messages)
     chat = _prepare(messages)
     final = None
@@ -256,7 +266,9 @@ def apply_chat_template(
         )
     except ChatTemplateError:
         raise
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as e:
+        # What the template's own expressions raise over the caller's data (`bos_token + 1`
+        # with a string bos_token) is its failure to render, not ours.
         raise ChatTemplateError(f"the chat template failed to render: {e}") from None
     if final is None:
         return text

@@ -66,7 +66,12 @@ def per_prompt_sampling(
         sampling = SamplingParams()
     if isinstance(sampling, SamplingParams):
         sampling = [sampling] * len(prompts)
-    sampling = list(sampling)
+    try:
+        sampling = list(sampling)
+    except TypeError:
+        raise ValueError(
+            f"sampling must be a SamplingParams, a list of them or None, got {sampling!r}"
+        ) from None
     if len(sampling) != len(prompts):
         raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
     return sampling
@@ -93,12 +98,18 @@ def validate_requests(
         if (
             isinstance(p, str | bytes)
             or not isinstance(p, Sequence | np.ndarray | jax.Array)
+            or getattr(p, "ndim", 1) == 0  # a 0-d array has no len()
             or len(p) == 0
         ):
             raise ValueError(f"prompt {i} is empty or not a list of token ids: {p!r}")
-        arr = np.asarray(p)
+        try:
+            arr = np.asarray(p)
+        except ValueError:  # ragged: [1, [2]]
+            raise ValueError(f"prompt {i} must be a flat list of ints, got {p!r}") from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} must be a flat list of ints, got dtype {arr.dtype}")
+            raise ValueError(
+                f"prompt {i} must be a flat list of ints, got shape {arr.shape} dtype {arr.dtype}"
+            )
         bad = arr[(arr < 0) | (arr >= cfg.vocab_size)]
         if bad.size:
             raise ValueError(

@@ -22,6 +22,10 @@ from jaxinfer.checks import INT32_MAX, as_float, as_int, is_int
 from jaxinfer.ops.argmax import argmax
 
 _NEG_INF = -jnp.inf
+# temperature and top_p reach the device as float32: a positive value below this divides the
+# logits to inf (temperature 1e-40 sampled token 0, not the argmax) or rounds to 0 (top_p 1e-46
+# kept every token). At 1e-30, logits up to 3e8 stay finite.
+MIN_POSITIVE = 1e-30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +33,11 @@ class SamplingParams:
     """Per-request sampling settings, validated at construction.
 
     Attributes:
-      temperature: 0 is greedy; otherwise logits are divided by it.
+      temperature: 0 is greedy; otherwise (>= 1e-30, float32 on the device) logits are
+        divided by it.
       top_k: keep the k most likely tokens; 0 turns it off.
-      top_p: keep the smallest set whose probability reaches top_p (nucleus); 1 turns it off.
+      top_p: keep the smallest set whose probability reaches top_p (nucleus), in [1e-30, 1];
+        1 turns it off.
       min_p: drop tokens less likely than min_p times the most likely one; 0 turns it off.
       max_tokens: the most tokens to generate.
       stop_token_ids: generation stops after emitting any of these (the stop token is kept).
@@ -73,8 +79,8 @@ class SamplingParams:
 
         # Numbers are normalized to Python ones (jaxinfer.checks); every int below reaches the
         # device as int32, so each is bounded by INT32_MAX.
-        real("temperature", lambda t: t >= 0, "a finite number >= 0")
-        real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+        real("temperature", lambda t: t == 0 or t >= MIN_POSITIVE, "0 or a finite number >= 1e-30")
+        real("top_p", lambda p: MIN_POSITIVE <= p <= 1, "a number in [1e-30, 1]")
         real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
         integer("top_k", 0, INT32_MAX, "an int in [0, 2**31 - 1] (0 = off)")
         integer("max_tokens", 1, INT32_MAX, "an int in [1, 2**31 - 1]")

@@ -180,3 +180,18 @@ def test_errors_name_the_problem(smollm2, tmp_path):
         ji.apply_chat_template(
             ours, CONVERSATIONS["user-only"], chat_template="{{ ''.__class__.__mro__ }}"
         )
+
+
+def test_bad_tools_documents_and_template_variables_are_value_errors():
+    """Non-list tools / documents, and a template expression failing over the caller's
+    variables, raised TypeError from deep inside (a 500 on the server's chat route)."""
+    msgs = [{"role": "user", "content": "x"}]
+    for kw, match in (({"tools": 5}, "tools must be a list"),
+                      ({"documents": 5}, "documents must be a list"),
+                      ({"tools": "abc"}, "tools must be a list")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            ji.apply_chat_template(None, msgs, chat_template="{{ 1 }}", **kw)
+    with pytest.raises(ChatTemplateError, match="failed to render"):
+        ji.apply_chat_template(
+            None, msgs, chat_template="{{ bos_token + messages[0].content }}", bos_token=5
+        )

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
-from jaxinfer.sampling import SamplingBatch, SamplingParams, probs, process_logits, sample
+from jaxinfer.sampling import (
+    MIN_POSITIVE,
+    SamplingBatch,
+    SamplingParams,
+    probs,
+    process_logits,
+    sample,
+)
 
 
 @pytest.mark.parametrize(
@@ -23,6 +30,8 @@ from jaxinfer.sampling import SamplingBatch, SamplingParams, probs, process_logi
         (dict(top_k=2.5), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(top_p=1e-46), "top_p"),  # 0 in float32: kept every token
+        (dict(temperature=1e-40), "temperature"),  # logits / T = inf: sampled token 0
         (dict(min_p=-0.1), "min_p"),
         (dict(min_p=1.1), "min_p"),
         (dict(max_tokens=0), "max_tokens"),
@@ -87,6 +96,18 @@ def test_greedy_rows_are_argmax_and_unmasked():
     np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(logits[0]))
     toks = sample(logits, sb, jnp.zeros(3, jnp.int32))
     assert int(toks[0]) == int(jnp.argmax(logits[0])) and int(toks[2]) == int(jnp.argmax(logits[2]))
+
+
+def test_smallest_temperature_and_top_p_sample_the_argmax():
+    """At the smallest accepted temperature / top_p (MIN_POSITIVE), float32 on the device still
+    gives the argmax for logits far from 0 (the values below it are refused: test above)."""
+    logits = 30 * jnp.asarray(np.random.RandomState(2).randn(4, 64), jnp.float32)  # [B, V]
+    want = np.asarray(jnp.argmax(logits, -1))
+    for kw in (dict(temperature=MIN_POSITIVE), dict(top_p=MIN_POSITIVE)):
+        for seed in range(3):
+            sb = SamplingBatch.from_params([SamplingParams(seed=seed, **kw)] * 4)
+            got = sample(logits, sb, jnp.arange(4, dtype=jnp.int32))
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(kw))
 
 
 def _chi2_pvalue(counts, probs_):

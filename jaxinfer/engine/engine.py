@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -46,6 +47,7 @@ import numpy as np
 
 from jaxinfer.cache.allocator import BlockAllocator
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.checks import as_float
 from jaxinfer.config import ModelConfig
 from jaxinfer.distributed.engine_mesh import place_engine
 from jaxinfer.engine import recovery, speculation
@@ -206,6 +208,20 @@ class Engine:
         """
         sp = SamplingParams() if sampling is None else sampling
         rid = self._auto_id(lambda k: f"req-{k}") if request_id is None else request_id
+        try:
+            hash(rid)
+        except TypeError:
+            raise ValueError(
+                f"request_id={rid!r} is invalid: expected a hashable id (str, int, tuple, ...)"
+            ) from None
+        if arrival_time is not None:
+            t = as_float(arrival_time)
+            if t is None or not math.isfinite(t):
+                raise ValueError(
+                    f"arrival_time={arrival_time!r} is invalid: expected None or a finite number "
+                    "(seconds in the metrics clock)"
+                )
+            arrival_time = t
         self._check(prompt, sp, rid, 0)
         self._enqueue(prompt, sp, rid, arrival_time)
         return rid

@@ -47,6 +47,8 @@ from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
 from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+# apply_chat_template's arguments that the chat route sets itself: not chat_template_kwargs.
+_TEMPLATE_ARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template"})
 log = logging.getLogger("jaxinfer.server")
 
 
@@ -103,8 +105,11 @@ class _Server:
                 field if len(prompt) >= self.max_model_len else "max_tokens",
                 "context_length_exceeded",
             )
+        # The prompt's full blocks are shared by the n samples; each sample holds the rest of its
+        # blocks, the partial prompt block included (a fork copies it on write): n = 1 needs
+        # exactly the ceil(total / S) blocks the scheduler admits.
         S = self.block_size
-        blocks = math.ceil(len(prompt) / S) + n * (math.ceil(total / S) - len(prompt) // S)
+        blocks = len(prompt) // S + n * (math.ceil(total / S) - len(prompt) // S)
         if blocks > self.pool_blocks:
             raise P.APIError(
                 413,
@@ -244,15 +249,26 @@ def build_app(
             if isinstance(m.content, list):
                 d["content"] = "".join(part.text for part in m.content)
             messages.append(d)
+        kwargs = req.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
+        if taken:
+            raise P.APIError(
+                400, f"chat_template_kwargs: {taken} cannot be set here (messages and "
+                "add_generation_prompt are request fields; the template is the server's)",
+                "chat_template_kwargs",
+            )  # fmt: skip
         try:
             text = apply_chat_template(
                 tokenizer, messages, req.add_generation_prompt,
-                chat_template=srv.chat_template, **(req.chat_template_kwargs or {}),
+                chat_template=srv.chat_template, **kwargs,
             )  # fmt: skip
         except ValueError as e:
             raise P.APIError(400, f"messages: {e}", "messages") from None
         prompts = [encode(tokenizer, text)]
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        # max_completion_tokens (OpenAI's newer name) wins; 0 is refused, not skipped.
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = srv.default_max_tokens(prompts[0])
         logprobs = P.chat_logprobs(req)
@@ -268,8 +284,20 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     stops = P.stop_strings(req)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
+    vocab = srv.engine.engine.cfg.vocab_size
+    beyond = [t for t in sp.stop_token_ids if t >= vocab]
+    if beyond:
+        raise P.APIError(
+            400, f"stop_token_ids: {beyond[0]} is outside the vocabulary [0, {vocab})",
+            "stop_token_ids",
+        )  # fmt: skip
     for p in prompts:
         srv.check_lengths(p, sp.max_tokens, sp.n, field)
+    if len(prompts) > srv.engine.max_waiting:  # 503 "retry later" would never succeed
+        raise P.APIError(
+            400, f"{field}: {len(prompts)} prompts in one request; this server queues at most "
+            f"{srv.engine.max_waiting}", field,
+        )  # fmt: skip
     echo = not chat and req.echo
     engine = srv.engine
     if srv.shutting_down or not engine.alive:

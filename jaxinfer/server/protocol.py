@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.checks import INT32_MAX
+from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
 
@@ -154,42 +156,48 @@ def sampling_params(
     """
     _check_neutral(req)
     t = 1.0 if req.temperature is None else req.temperature
-    if not math.isfinite(t) or t < 0:
-        raise _bad("temperature", f"{t!r} must be a finite number >= 0")
+    if not math.isfinite(t) or not (t == 0 or t >= MIN_POSITIVE):
+        raise _bad("temperature", f"{t!r} must be 0 or a finite number >= 1e-30")
     top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0 < top_p <= 1:
-        raise _bad("top_p", f"{top_p!r} must be in (0, 1]")
+    if not MIN_POSITIVE <= top_p <= 1:
+        raise _bad("top_p", f"{top_p!r} must be in (0, 1] (at least 1e-30)")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
-    if top_k < 0:
-        raise _bad("top_k", f"{req.top_k!r} must be -1 or 0 (off) or a positive int")
+    if not 0 <= top_k <= INT32_MAX:
+        raise _bad("top_k", f"{req.top_k!r} must be -1 or 0 (off) or an int in [1, 2**31 - 1]")
     min_p = 0.0 if req.min_p is None else req.min_p
     if not 0 <= min_p <= 1:
         raise _bad("min_p", f"{min_p!r} must be in [0, 1]")
-    if max_tokens < 1:
-        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else None
-        raise _bad(field or "max_tokens", f"{max_tokens} must be >= 1")
+    # The engine's ints travel as int32: a larger one is a 400 here, not a 500 below.
+    if not 1 <= max_tokens <= INT32_MAX:
+        chat_limit = getattr(req, "max_completion_tokens", None) is not None
+        field = "max_completion_tokens" if chat_limit else "max_tokens"
+        raise _bad(field, f"{max_tokens} must be in [1, 2**31 - 1]")
     if not 1 <= req.n <= max_n:
         raise _bad("n", f"{req.n} must be in [1, {max_n}] (the engine's max_num_seqs)")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise _bad(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
     stops = req.stop_token_ids or []
-    if any(s < 0 for s in stops):
-        raise _bad("stop_token_ids", "token ids must be >= 0")
+    if any(not 0 <= s <= INT32_MAX for s in stops):
+        raise _bad("stop_token_ids", f"{stops!r}: token ids must be in [0, 2**31 - 1]")
     # OpenAI seeds are any int; the engine's keys take [0, 2**31). No seed: a fresh one.
     seed = random.randrange(2**31) if req.seed is None else req.seed % 2**31
-    return SamplingParams(
-        temperature=float(t),
-        top_k=int(top_k),
-        top_p=float(top_p),
-        min_p=float(min_p),
-        max_tokens=int(max_tokens),
-        stop_token_ids=tuple(stops),
-        seed=seed,
-        ignore_eos=req.ignore_eos,
-        n=req.n,
-        logprobs=logprobs,
-    )
+    try:
+        return SamplingParams(
+            temperature=float(t),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            min_p=float(min_p),
+            max_tokens=int(max_tokens),
+            stop_token_ids=tuple(stops),
+            seed=seed,
+            ignore_eos=req.ignore_eos,
+            n=req.n,
+            logprobs=logprobs,
+        )
+    except ValueError as e:  # a bound checked only there: still a 400, not a 500
+        field = re.match(r"SamplingParams\.(\w+)=", str(e))
+        raise _bad(field.group(1) if field else "sampling", str(e)) from None
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:

@@ -104,3 +104,46 @@ def test_non_floating_kv_dtype_is_refused(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", jnp.float16, None])
 def test_floating_kv_dtype_is_accepted(dtype):
     assert dataclasses.replace(ECFG, kv_dtype=dtype).kv_dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        (np.array(3), "not a list of token ids"),  # was TypeError: len() of unsized object
+        ([1, [2]], r"flat list of ints, got \[1, \[2\]\]"),  # was numpy's inhomogeneous shape
+    ],
+)
+def test_malformed_prompts_are_refused_by_name(params, prompt, match):
+    engine = Engine(CFG, params, ECFG)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match=match):
+        engine.generate([prompt], GREEDY)
+    with pytest.raises(ValueError, match=match):
+        ji.generate(CFG, params, [prompt], GREEDY, backend="reference")
+    assert not engine.has_unfinished() and engine.metrics().num_requests == 0
+
+
+def test_bad_request_ids_arrival_times_and_sampling_lists_are_refused(params):
+    """Were TypeError (unhashable id, sampling=3, arrival_time=[1]) or accepted (a NaN
+    arrival_time, which made the request's TTFT NaN); nothing is queued, the engine serves on."""
+    engine = Engine(CFG, params, ECFG)
+    for rid in ([1], {"a": 1}):
+        with pytest.raises(ValueError, match="request_id.*hashable"):
+            engine.add_request([1, 2], GREEDY, request_id=rid)
+    for t in (float("nan"), float("inf"), "0", [1.0], True):
+        with pytest.raises(ValueError, match="arrival_time"):
+            engine.add_request([1, 2], GREEDY, arrival_time=t)
+    with pytest.raises(ValueError, match="sampling must be"):
+        engine.generate([[1, 2]], 3)
+    with pytest.raises(ValueError, match="sampling must be"):
+        ji.generate(CFG, params, [[1, 2]], 3, backend="reference")
+    assert not engine.has_unfinished() and engine.metrics().num_requests == 0
+    engine.add_request([1, 2], GREEDY, arrival_time=np.float64(engine.clock()))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics().num_completed == 1 and engine.allocator.num_used_blocks == 0
+    assert (
+        engine.generate([[1, 2]], GREEDY)[0].token_ids
+        == ji.generate(CFG, params, [[1, 2]], GREEDY, backend="reference")[0].token_ids
+    )

@@ -185,6 +185,8 @@ BAD = [
     ("temperature", {"temperature": True}),
     ("top_p", {"top_p": 0}),
     ("top_p", {"top_p": 1.5}),
+    ("top_p", {"top_p": 1e-46}),  # below float32: was accepted and kept every token
+    ("temperature", {"temperature": 1e-40}),  # logits / T overflowed: was token 0, not argmax
     ("top_k", {"top_k": -2}),
     ("top_k", {"top_k": 1.5}),
     ("min_p", {"min_p": 2}),
@@ -212,6 +214,13 @@ BAD = [
     ("max_tokens", {"max_tokens": 1030}),  # beyond the context of 1024
     ("echo", {"echo": "true"}),
     ("stop_token_ids", {"stop_token_ids": [-1]}),
+    # Beyond the engine's int32 (were 500s from SamplingParams) and beyond the vocabulary (was
+    # a 400 naming "prompt").
+    ("max_tokens", {"max_tokens": 2**31}),
+    ("top_k", {"top_k": 2**40}),
+    ("stop_token_ids", {"stop_token_ids": [2**31]}),
+    ("stop_token_ids", {"stop_token_ids": [10**6]}),
+    ("prompt", {"prompt": ["x"] * 65}),  # more prompts than max_waiting: was 503 "retry later"
 ]
 
 
@@ -236,6 +245,13 @@ CHAT_BAD = [
     ("logprobs", {"logprobs": 2}),
     ("max_completion_tokens", {"max_completion_tokens": "a"}),
     ("tools", {"tools": [{"type": "function"}]}),
+    ("max_completion_tokens", {"max_completion_tokens": 0}),  # was ignored (max_tokens used)
+    ("max_completion_tokens", {"max_completion_tokens": 2**31}),  # was a 500
+    # apply_chat_template's own arguments (were 500s: "got multiple values for argument")
+    ("chat_template_kwargs", {"chat_template_kwargs": {"messages": []}}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": False}}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+    ("messages", {"chat_template_kwargs": {"documents": 5}}),  # was a 500 (TypeError)
 ]
 
 
@@ -271,6 +287,25 @@ def test_malformed_json_unknown_model_and_pool(server, client):
         json={"model": MODEL, "prompt": "x", "max_tokens": 1, "vendor_extra": {"a": 1}},
     )
     assert r.status_code == 200
+    served(client)
+
+
+def test_request_that_fills_the_pool_exactly_is_admitted(server, client, model):
+    """n = 1 needs ceil((prompt + max_tokens) / S) blocks, as the scheduler admits: a chat request
+    without max_tokens (which defaults to the pool's room) was refused with 413 when its prompt
+    did not end on a block boundary."""
+    tok = model[2]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+    prompt = _ids(tok, "a b c")  # not a multiple of 16 tokens
+    assert len(prompt) % 16
+    room = 64 * 16 - len(prompt)
+    fits = {"model": MODEL, "prompt": prompt, "stream": True, "max_tokens": room}
+    with httpx.stream("POST", server.url + "/v1/completions", json=fits, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+    r = httpx.post(server.url + "/v1/completions", json={**fits, "max_tokens": room + 1})
+    assert r.status_code in (400, 413), r.text  # one slot beyond: the context or the pool
     served(client)
 
 
