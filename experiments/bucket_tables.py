@@ -3,13 +3,13 @@ r"""The engine's token-bucket cost table, measured in several fresh processes: t
     python -m experiments.bucket_tables --workdir=runs/bucket_tables          # SmolLM2, 6 processes
     python -m experiments.bucket_tables --model=target --processes=3
 
-An engine with `token_buckets="measured"` times the head's product at T = 1, 2, 4, 8, 16 once per
-process (`jaxinfer/engine/buckets.py`) and keeps a bucket when it saves at least the margin of the
-next kept one. A bucket whose saving sits near the margin is kept in one process and dropped in
-another, and two engines in two processes (a server and its in-process twin) then pad their steps
-differently; `EngineConfig(token_buckets=...)` fixes them. Each process here loads the model,
-lays it out as an engine does (on a CPU: `TransposedDense` weights), measures the table of its
-head and prints the kept buckets and the table in ms.
+An engine with `token_buckets="measured"` times its step's products (every layer's projections,
+then the head) at T = 1, 2, 4, 8, 16 once per process (`jaxinfer/engine/buckets.py`) and keeps a
+bucket when it saves at least the margin of the next kept one. A bucket whose saving sits near
+the margin is kept in one process and dropped in another, and two engines in two processes (a
+server and its in-process twin) then pad their steps differently; `EngineConfig(token_buckets=
+...)` fixes them. Each process here loads the model, lays it out as an engine does (on a CPU:
+`TransposedDense` weights), measures the table and prints the kept buckets and the table in ms.
 """
 
 from __future__ import annotations

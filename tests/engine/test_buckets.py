@@ -4,14 +4,17 @@ params layout (`EngineConfig.layout`), against `ji.generate`."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxinfer as ji
 from jaxinfer.engine import Engine, EngineConfig, buckets
 from jaxinfer.engine.buckets import choose_buckets, cost_table, measure_token_buckets, pad_tokens
+from jaxinfer.model.attention import project_qkv
+from jaxinfer.model.decoder import mlp_block
+from jaxinfer.model.params import lm_head
 from jaxinfer.ops.linear import linear
-from jaxinfer.quant import quantize_int8, rtn_quantize
-from jaxinfer.transposed import transpose_dense
 from tests.helpers import random_params
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
@@ -50,53 +53,71 @@ def test_measure_token_buckets_range(params):
     assert got[-1] == 16 and set(got) <= {4, 8, 16} and list(got) == sorted(got)
 
 
-def _heads(params):
-    """The head forms a step runs on: dense, tied, transposed (the CPU layout), int8, int4."""
-    tied = {k: v for k, v in params.items() if k != "lm_head"}
+def _forms(params):
+    """The params forms a step runs on: stacked dense, tied (no `lm_head`), the CPU layout
+    (unrolled, transposed and fused), int4 and int8 layers (stacked) with a quantized head."""
+    calib = np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 16))
+    int4 = ji.quant.QuantConfig(method="rtn", bits=4, group_size=32, quantize_lm_head=True)
+    int8 = ji.quant.QuantConfig(method="rtn", bits=8, group_size=None, quantize_lm_head=True)
     return {
-        "dense": params,
-        "tied": tied,
-        "transposed": {**params, "lm_head": transpose_dense(params["lm_head"])},
-        "int8": {**params, "lm_head": quantize_int8(params["lm_head"])},
-        "int4": {**params, "lm_head": rtn_quantize(params["lm_head"], group_size=32)},
+        "stacked": params,
+        "tied": {k: v for k, v in params.items() if k != "lm_head"},
+        "cpu_layout": ji.model.cpu_layout(params),
+        "int4": ji.quant.quantize(CFG, params, int4, calib),
+        "int8": ji.quant.quantize(CFG, params, int8, calib),
     }
 
 
-def test_cost_table_times_the_params_own_head(params, monkeypatch):
-    """Every head form is timed as the step holds it, and a table is measured once per head form
-    (and range): engines built alike share their buckets."""
-    timed, traced = [], []
+def _products_ref(params, t):
+    """`buckets.probe` written out for the stacked form: every layer's products without
+    attention, then the head."""
+    x = jnp.ones((t, CFG.hidden_size), jnp.float32) / CFG.hidden_size
+    for i in range(CFG.num_layers):
+        lp = jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"])
+        q, k, v = project_qkv(x, lp, CFG, jnp.zeros((t,), jnp.int32))
+        x = x + linear(q.reshape(t, -1), lp["wo"]) + 1e-6 * (k.sum() + v.sum())
+        x = mlp_block(x, lp, CFG)
+    return linear(x, lm_head(params))
+
+
+def test_the_probe_runs_the_steps_products_on_every_params_form(params, monkeypatch):
+    """The cost table times the layers' products and the head on the params as the step holds
+    them; one table per params form (and range), so engines built alike share their buckets;
+    a byte budget bounds the layers probed."""
+    forms = _forms(params)
+    want = _products_ref(params, 3)
+    for name, p in forms.items():
+        got = buckets.probe(CFG, p, 3)
+        assert got.shape == (3, CFG.vocab_size), name
+        if name in ("stacked", "tied", "cpu_layout"):  # the same products, other forms
+            ref = want if name != "tied" else _products_ref({**p, "lm_head": p["embed"].T}, 3)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=name)
+    timed = []
 
     def counting(cfg, p, sizes):
-        timed.append(buckets._head_form(p))
-        return cost_table(cfg, p, sizes)
-
-    def recording(x, w):
-        traced.append(("array" if isinstance(w, jax.core.Tracer) else type(w).__name__, w.shape))
-        return linear(x, w)
+        timed.append(buckets._params_form(p))
+        table = cost_table(cfg, p, sizes)
+        assert sorted(table) == list(sizes) and all(0 < s < 1 for s in table.values())
+        return table
 
     monkeypatch.setattr(buckets, "_MEASURED", {})
     monkeypatch.setattr(buckets, "cost_table", counting)
-    monkeypatch.setattr(buckets, "linear", recording)
-    buckets._probe.clear_cache()  # traced again, through `recording`
-    heads = _heads(params)
-    e, v = CFG.hidden_size, CFG.vocab_size
-    for name, p in heads.items():
-        traced.clear()
-        table = cost_table(CFG, p, [1, 2, 4])
-        assert sorted(table) == [1, 2, 4] and all(0 < s < 1 for s in table.values()), name
-        kind = {"transposed": "TransposedDense", "int8": "Int8Weight", "int4": "Int4Weight"}
-        assert traced and all(t == (kind.get(name, "array"), (e, v)) for t in traced), name
+    for p in forms.values():
         got = measure_token_buckets(CFG, p, 1)
         assert got[-1] == 16 and set(got) <= {1, 2, 4, 8, 16} and list(got) == sorted(got)
-    assert len(timed) == len(heads) == len(set(timed))  # five forms, five tables
-    for p in heads.values():  # the same forms again, other values: no new table
+    assert len(timed) == len(forms) == len(set(timed))  # five forms, five tables
+    for p in forms.values():  # the same forms again, other values: no new table
         again = jax.tree_util.tree_map(lambda x: x + 1 if x.dtype.kind == "f" else x, p)
         measure_token_buckets(CFG, again, 1)
-    assert len(timed) == len(heads)
-    measure_token_buckets(CFG, heads["dense"], 2)  # another range: a table of its own
-    assert len(timed) == len(heads) + 1
-    buckets._probe.clear_cache()  # not through `recording` after this test
+    assert len(timed) == len(forms)
+    measure_token_buckets(CFG, forms["stacked"], 2)  # another range: a table of its own
+    assert len(timed) == len(forms) + 1
+
+    layer_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(forms["cpu_layout"]["layers"][0]))
+    for budget, n in ((1, 1), (layer_bytes + 1, 2), (1 << 40, CFG.num_layers)):
+        monkeypatch.setattr(buckets, "_PROBE_BYTES", budget)
+        for name in ("stacked", "cpu_layout"):
+            assert len(buckets._probe_calls(CFG, forms[name])) == n, (name, budget)
 
 
 @pytest.mark.parametrize(
