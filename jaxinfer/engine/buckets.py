@@ -15,14 +15,15 @@ weight of its own and reads as many bytes per call as the step (up to `_PROBE_BY
 so it streams them from memory as the step does. One product probed alone does not: SmolLM2's
 113 MB head fits the 300 MiB L3 of an Intel machine here, and timed alone (as this module did
 before) its 1-row product took 1.1-1.4x its 4-row one in five fresh processes of six, so 1 was
-dropped; timed among other weights it took 0.61x (BENCHMARKS.md, 2026-12-05 night).
+dropped; timed with the layers, the products at 1 row took 0.71-0.88x those at 4 in ten, and
+1 was kept in all (BENCHMARKS.md, 2026-12-05 night).
 Going down from hi, a bucket is kept when it costs at most `1 - margin` of the smallest bucket
 kept above it: padding a step to the next kept bucket then costs less than `margin` more, and
 each dropped bucket is one compilation fewer. Past hi, T is a power of two as before.
 
 The margin is 5%, not more, because the two mistakes are not alike. A bucket kept in vain costs
 one compilation; a bucket dropped in vain costs every step of its size (a one-request decode
-step run at 4 rows instead of 1: 1.3-1.5x the time on SmolLM2 here).
+step run at 4 rows instead of 1 took 1.46x the time on SmolLM2 here).
 """
 
 from __future__ import annotations
