@@ -245,7 +245,12 @@ class Engine:
         self._live[rid] = _Live(sp, seq_ids, [[] for _ in seq_ids], [None] * len(seq_ids))
 
     def abort(self, request_id: Hashable) -> bool:
-        """Stops a request in any state and frees its blocks; False if it is not live."""
+        """Stops a request in any state and frees its blocks; False if it is not live (an
+        unhashable id never is)."""
+        try:
+            hash(request_id)
+        except TypeError:
+            return False
         if not self.scheduler.abort(request_id):
             return False
         self.metrics_collector.on_finish(request_id, aborted=True)

@@ -131,6 +131,7 @@ def test_bad_request_ids_arrival_times_and_sampling_lists_are_refused(params):
     for rid in ([1], {"a": 1}):
         with pytest.raises(ValueError, match="request_id.*hashable"):
             engine.add_request([1, 2], GREEDY, request_id=rid)
+        assert engine.abort(rid) is False  # never live; was a TypeError
     for t in (float("nan"), float("inf"), "0", [1.0], True):
         with pytest.raises(ValueError, match="arrival_time"):
             engine.add_request([1, 2], GREEDY, arrival_time=t)
