@@ -50,12 +50,11 @@ from experiments import common, flag_checks
 from experiments import linear_bench as lb  # its flags and block size
 from jaxinfer import transposed
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
+from jaxinfer.engine.buckets import layer_products
 from jaxinfer.model import attention as model_attention
 from jaxinfer.model import params as params_mod
-from jaxinfer.model.attention import project_qkv
-from jaxinfer.model.decoder import forward, mlp_block
+from jaxinfer.model.decoder import forward
 from jaxinfer.ops import attention
-from jaxinfer.ops.linear import linear
 from jaxinfer.requests import prompt_bucket
 
 # linear_bench's flags are ours: --workdir, --config, --model, --rows, --context (unused: see
@@ -205,13 +204,8 @@ def time_case(cfg, runs: dict, meta, num_blocks: int) -> dict:
 def products(cfg, laid: dict, x: jax.Array) -> jax.Array:
     """The layers' products alone at `x [T, E]`: q/k/v, the output projection on q, the MLP
     (with its norm and the RoPE of q/k, which cost little), no attention, no LM head."""
-    t = x.shape[0]
-    pos = jnp.zeros((t,), jnp.int32)
     for lp in laid["layers"]:
-        q, k, v = project_qkv(x, lp, cfg, pos, "xla")  # [T, H, D], [T, K, D], [T, K, D]
-        x = x + linear(q.reshape(t, -1), lp["wo"], backend="xla")  # [T, E]
-        x = x + 1e-6 * (k.sum() + v.sum())  # k and v used, so their products are not dropped
-        x = mlp_block(x, lp, cfg, "xla")
+        x = layer_products(lp, x, cfg)  # [T, E], as the engine's bucket cost table times it
     return x
 
 

@@ -50,8 +50,9 @@ _REPEATS = 5  # timed rounds per T; the table keeps the minimum (the least distu
 _PROBE_BYTES = 1 << 30
 
 
-def _layer_products(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """One layer's projections at `x [T, E]` as the step runs them, without attention."""
+def layer_products(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """One layer's projections at `x [T, E]` as the step runs them, without attention (the
+    cost table's probe; `experiments/step_ab.py --products` chains them too)."""
     t = x.shape[0]
     q, k, v = project_qkv(x, lp, cfg, jnp.zeros((t,), jnp.int32))  # [T,H,D], [T,K,D], [T,K,D]
     x = x + linear(q.reshape(t, -1), lp["wo"])  # [T, E]
@@ -61,12 +62,12 @@ def _layer_products(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _unrolled_layer(lp, x, cfg):
-    return _layer_products(lp, x, cfg)
+    return layer_products(lp, x, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _stacked_layer(layers, i, x, cfg):  # layer i of the stacked `[L, ...]` weights
-    return _layer_products(jax.tree_util.tree_map(lambda a: a[i], layers), x, cfg)
+    return layer_products(jax.tree_util.tree_map(lambda a: a[i], layers), x, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("tied",))
