@@ -1,7 +1,21 @@
-"""Suite-wide fixtures."""
+"""Suite-wide fixtures, and the number of pytest-xdist workers."""
+
+import os
 
 import jax
 import pytest
+
+# `-n auto` (setup.cfg) gives one worker per core, at most this many. A worker's step is
+# compilation (one thread) and XLA's run (all cores), so two workers on two cores keep both busy
+# (the suite: 44 minutes in one process, 32 in two, on 2 cores); beyond a few, every worker holds
+# its own copy of the loaded models.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may use, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
 
 
 @pytest.fixture(autouse=True, scope="module")
