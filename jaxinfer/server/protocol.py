@@ -155,6 +155,8 @@ def sampling_params(
       max_n: the most parallel samples the engine runs (its max_num_seqs).
     """
     _check_neutral(req)
+    if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
+        raise _bad("stream_options", "only allowed when stream is true")
     t = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(t) or not (t == 0 or t >= MIN_POSITIVE):
         raise _bad("temperature", f"{t!r} must be 0 or a finite number >= 1e-30")

@@ -221,6 +221,9 @@ BAD = [
     ("stop_token_ids", {"stop_token_ids": [2**31]}),
     ("stop_token_ids", {"stop_token_ids": [10**6]}),
     ("prompt", {"prompt": ["x"] * 65}),  # more prompts than max_waiting: was 503 "retry later"
+    # Without stream = true, as OpenAI (were accepted and ignored).
+    ("stream_options", {"stream_options": {"include_usage": True}}),
+    ("stream_options", {"stream": False, "stream_options": {"include_usage": False}}),
 ]
 
 
@@ -252,6 +255,7 @@ CHAT_BAD = [
     ("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": False}}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
     ("messages", {"chat_template_kwargs": {"documents": 5}}),  # was a 500 (TypeError)
+    ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream = true
 ]
 
 
