@@ -1,4 +1,5 @@
-"""The OpenAI request bodies as strict pydantic models, and their mapping to `SamplingParams`.
+"""The OpenAI request bodies as strict pydantic models, their mapping to `SamplingParams`, and a
+chat request's prompt (its messages rendered by the chat template).
 
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
@@ -19,10 +20,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxinfer.chat import apply_chat_template
 from jaxinfer.checks import INT32_MAX
 from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
+# apply_chat_template's arguments that the chat route sets itself: not chat_template_kwargs.
+_TEMPLATE_ARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template"})
 
 
 class APIError(Exception):
@@ -212,6 +216,51 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if not req.logprobs:
         return None
     return 0 if req.top_logprobs is None else req.top_logprobs
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, chat_template: str | None) -> str:
+    """The request's conversation rendered by the chat template; raises APIError(400) naming
+    `messages` or `chat_template_kwargs`.
+
+    A failure is the kwargs' when the conversation renders without them (a variable of the wrong
+    type, a value the template refuses, `documents` that are not a list); otherwise it is the
+    messages' (the template refuses them with its own defaults).
+
+    Args:
+      req: the parsed request.
+      tokenizer: the served tokenizer (its special tokens are template variables).
+      chat_template: a template overriding the tokenizer's, or None.
+    """
+    messages = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "".join(part.text for part in m.content)
+        messages.append(d)
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if taken:
+        raise _bad(
+            "chat_template_kwargs", f"{taken} cannot be set here (messages and "
+            "add_generation_prompt are request fields; the template is the server's)",
+        )  # fmt: skip
+
+    def render(**kw: Any) -> str:
+        return apply_chat_template(
+            tokenizer, messages, req.add_generation_prompt, chat_template=chat_template, **kw
+        )
+
+    try:
+        return render(**kwargs)
+    except ValueError as e:  # ChatTemplateError included
+        param = "messages"
+        if kwargs:
+            try:
+                render()
+                param = "chat_template_kwargs"
+            except ValueError:
+                pass
+        raise _bad(param, str(e)) from None
 
 
 def validation_error(errors: list[dict]) -> APIError:

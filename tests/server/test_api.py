@@ -11,6 +11,7 @@ import openai
 import pytest
 
 import jaxinfer as ji
+from jaxinfer.server import protocol
 from tests.server.conftest import MODEL, metric, served
 
 PROMPT = "def add(a, b):\n    return"
@@ -254,7 +255,10 @@ CHAT_BAD = [
     ("chat_template_kwargs", {"chat_template_kwargs": {"messages": []}}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": False}}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
-    ("messages", {"chat_template_kwargs": {"documents": 5}}),  # was a 500 (TypeError)
+    # Faults of chat_template_kwargs were 400s naming messages (documents=5 was a 500 before).
+    ("chat_template_kwargs", {"chat_template_kwargs": {"documents": 5}}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"date_string": 5}}),  # 'Today: ' + 5
+    ("chat_template_kwargs", {"chat_template_kwargs": {"continue_final_message": True}}),
     ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream = true
 ]
 
@@ -266,6 +270,34 @@ def test_invalid_chat_fields_400(server, client, param, body):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     served(client)
+
+
+def test_template_failure_names_the_input_at_fault():
+    """A template that fails only with chat_template_kwargs is their fault; one that fails on
+    the messages without them is the messages' (the same request with both: messages)."""
+    template = (
+        "{% if date_string is defined %}{{ 'Today: ' + date_string }}{% endif %}"
+        "{% for m in messages %}{% if m.content == 'no' %}{{ raise_exception('no') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+
+    def render(content, kwargs):
+        req = protocol.ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": [{"role": "user", "content": content}],
+             "chat_template_kwargs": kwargs}
+        )  # fmt: skip
+        return protocol.chat_prompt(req, None, template)
+
+    assert render("hi", {"date_string": "d "}) == "Today: d hi"
+    for content, kwargs, param in [
+        ("hi", {"date_string": 5}, "chat_template_kwargs"),
+        ("no", {"date_string": "d"}, "messages"),
+        ("no", {"date_string": 5}, "messages"),
+        ("no", None, "messages"),
+    ]:
+        with pytest.raises(protocol.APIError) as e:
+            render(content, kwargs)
+        assert e.value.status == 400 and e.value.param == param, (content, kwargs, e.value.message)
 
 
 def test_malformed_json_unknown_model_and_pool(server, client):
