@@ -272,6 +272,64 @@ def test_invalid_chat_fields_400(server, client, param, body):
     served(client)
 
 
+# Unknown roles were passed to the template; a null user / system content rendered as ""; an
+# image part was refused with "Input should be a valid string".
+MESSAGES_BAD = [
+    ("messages.0.role", "'wizard'", [{"role": "wizard", "content": "hi"}]),
+    ("messages.1.role", "'User'", [{"role": "user", "content": "a"}, {"role": "User"}]),
+    ("messages.0.content", "'user'", [{"role": "user", "content": None}]),
+    ("messages.0.content", "'system'", [{"role": "system"}, {"role": "user", "content": "a"}]),
+    ("messages.0.content", "'tool'", [{"role": "tool", "tool_call_id": "c"}]),
+    (
+        "messages.0.content",
+        "'image_url'",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ),
+    (
+        "messages.0.content",
+        "part 1",
+        [{"role": "user", "content": [{"type": "text", "text": ""}, 5]}],
+    ),
+    ("messages.0.content", "'text'", [{"role": "user", "content": [{"type": "text"}]}]),
+]
+
+
+@pytest.mark.parametrize("param,named,messages", MESSAGES_BAD)
+def test_bad_message_role_or_content_400(server, client, param, named, messages):
+    body = {"model": MODEL, "messages": messages}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and named in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    served(client)
+
+
+def test_every_role_text_parts_and_template_kwargs_render(model, server, client):
+    """The six OpenAI roles, text parts (joined), a null assistant content and a template
+    variable render as the template says: the chat completion is the completion of that text."""
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "developer", "content": [{"type": "text", "text": "D"}]},
+        {"role": "user", "content": [{"type": "text", "text": t} for t in ("U1", "U2")]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "tool", "content": "T", "tool_call_id": "c"},
+        {"role": "function", "content": None, "name": "f"},
+    ]
+    text = "Today: d\n<|system|>S\n<|developer|>D\n<|user|>U1U2\n<|assistant|>\n<|tool|>T\n"
+    text += "<|function|>\n<|assistant|>"
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
+        "chat_template_kwargs": {"date_string": "d"},
+    }  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = model[2].encode(text, add_special_tokens=False).ids
+    ref = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert r.json()["choices"][0]["message"]["content"] == ref.choices[0].text
+
+
 def test_template_failure_names_the_input_at_fault():
     """A template that fails only with chat_template_kwargs is their fault; one that fails on
     the messages without them is the messages' (the same request with both: messages)."""
