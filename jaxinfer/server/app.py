@@ -39,7 +39,6 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.chat import apply_chat_template
 from jaxinfer.scoring import score
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -47,8 +46,6 @@ from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
 from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
-# apply_chat_template's arguments that the chat route sets itself: not chat_template_kwargs.
-_TEMPLATE_ARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template"})
 log = logging.getLogger("jaxinfer.server")
 
 
@@ -243,28 +240,7 @@ def build_app(
         rf = req.response_format
         if rf and rf.get("type", "text") != "text":
             raise P.APIError(400, "response_format: only type 'text'", "response_format")
-        messages = []
-        for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                d["content"] = "".join(part.text for part in m.content)
-            messages.append(d)
-        kwargs = req.chat_template_kwargs or {}
-        taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
-        if taken:
-            raise P.APIError(
-                400, f"chat_template_kwargs: {taken} cannot be set here (messages and "
-                "add_generation_prompt are request fields; the template is the server's)",
-                "chat_template_kwargs",
-            )  # fmt: skip
-        try:
-            text = apply_chat_template(
-                tokenizer, messages, req.add_generation_prompt,
-                chat_template=srv.chat_template, **kwargs,
-            )  # fmt: skip
-        except ValueError as e:
-            raise P.APIError(400, f"messages: {e}", "messages") from None
-        prompts = [encode(tokenizer, text)]
+        prompts = [encode(tokenizer, P.chat_prompt(req, tokenizer, srv.chat_template))]
         # max_completion_tokens (OpenAI's newer name) wins; 0 is refused, not skipped.
         max_tokens = req.max_completion_tokens
         if max_tokens is None:

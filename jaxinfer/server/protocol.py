@@ -1,4 +1,5 @@
-"""The OpenAI request bodies as strict pydantic models, and their mapping to `SamplingParams`.
+"""The OpenAI request bodies as strict pydantic models, their mapping to `SamplingParams`, and a
+chat request's prompt (its messages rendered by the chat template).
 
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
@@ -15,14 +16,21 @@ from __future__ import annotations
 import math
 import random
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxinfer.chat import apply_chat_template
 from jaxinfer.checks import INT32_MAX
 from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
+# The roles of OpenAI's chat messages; content may be null or absent only where its types allow
+# (an assistant turn of tool calls, a function's result); tool results need content.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_NULL_CONTENT_ROLES = ("assistant", "function")
+# apply_chat_template's arguments that the chat route sets itself: not chat_template_kwargs.
+_TEMPLATE_ARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template"})
 
 
 class APIError(Exception):
@@ -96,16 +104,11 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     # Messages are template input: extra keys (name, tool_calls, ...) pass through to it.
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str
-    content: str | list[TextPart] | None = None
+    role: str  # one of CHAT_ROLES (checked by chat_messages, which names the bad value)
+    content: str | list[Any] | None = None  # a list: text parts, checked by chat_messages
 
 
 class ChatCompletionRequest(_Sampling):
@@ -155,6 +158,8 @@ def sampling_params(
       max_n: the most parallel samples the engine runs (its max_num_seqs).
     """
     _check_neutral(req)
+    if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
+        raise _bad("stream_options", "only allowed when stream is true")
     t = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(t) or not (t == 0 or t >= MIN_POSITIVE):
         raise _bad("temperature", f"{t!r} must be 0 or a finite number >= 1e-30")
@@ -212,12 +217,88 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return 0 if req.top_logprobs is None else req.top_logprobs
 
 
+def _content_text(param: str, parts: list) -> str:
+    """The text of a list of content parts; only text parts are taken."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise _bad(param, f"part {j} is {type(part).__name__}, expected a content part object")
+        if part.get("type") != "text":
+            raise _bad(
+                param,
+                f"part {j} has type {part.get('type')!r}; this server takes only 'text' parts",
+            )
+        if not isinstance(part.get("text"), str):
+            raise _bad(param, f"part {j}: a 'text' part needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as template input (text parts joined); raises APIError(400) naming
+    `messages.i.role` or `messages.i.content`."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise _bad(f"messages.{i}.role", f"{m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if m.content is None and m.role not in _NULL_CONTENT_ROLES:
+            raise _bad(
+                f"messages.{i}.content",
+                f"a {m.role!r} message needs content (a string or a list of text parts)",
+            )
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = _content_text(f"messages.{i}.content", m.content)
+        messages.append(d)
+    return messages
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, chat_template: str | None) -> str:
+    """The request's conversation rendered by the chat template; raises APIError(400) naming
+    `messages` (or one message's field, see chat_messages) or `chat_template_kwargs`.
+
+    A failure is the kwargs' when the conversation renders without them (a variable of the wrong
+    type, a value the template refuses, `documents` that are not a list); otherwise it is the
+    messages' (the template refuses them with its own defaults).
+
+    Args:
+      req: the parsed request.
+      tokenizer: the served tokenizer (its special tokens are template variables).
+      chat_template: a template overriding the tokenizer's, or None.
+    """
+    messages = chat_messages(req)
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if taken:
+        raise _bad(
+            "chat_template_kwargs", f"{taken} cannot be set here (messages and "
+            "add_generation_prompt are request fields; the template is the server's)",
+        )  # fmt: skip
+
+    def render(**kw: Any) -> str:
+        return apply_chat_template(
+            tokenizer, messages, req.add_generation_prompt, chat_template=chat_template, **kw
+        )
+
+    try:
+        return render(**kwargs)
+    except ValueError as e:  # ChatTemplateError included
+        param = "messages"
+        if kwargs:
+            try:
+                render()
+                param = "chat_template_kwargs"
+            except ValueError:
+                pass
+        raise _bad(param, str(e)) from None
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 from pydantic's errors, naming the first bad field (`messages.0.content`)."""
     e = errors[0]
     loc = [str(x) for x in e.get("loc", ()) if not str(x).startswith(("function-", "list["))]
     # Union members add their type to the location (prompt.str, prompt.list[int]); drop them.
-    loc = [x for x in loc if x not in ("str", "int", "float", "bool", "TextPart")]
+    loc = [x for x in loc if x not in ("str", "int", "float", "bool")]
     param = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {e.get('msg')}", None)

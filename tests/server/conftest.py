@@ -17,8 +17,10 @@ import jaxinfer as ji
 from jaxinfer.server import Server
 
 MODEL = "target"
-# The shipped tiny model has no chat template; a minimal one in the usual shape.
+# The shipped tiny model has no chat template; a minimal one in the usual shape, with Llama 3.1's
+# optional `date_string` (a chat_template_kwargs variable; a non-string one fails to render).
 CHAT_TEMPLATE = (
+    "{% if date_string is defined %}{{ 'Today: ' + date_string + '\\n' }}{% endif %}"
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 import jaxinfer as ji
+from jaxinfer.server import protocol
 from tests.server.conftest import MODEL, metric, served
 
 PROMPT = "def add(a, b):\n    return"
@@ -221,6 +222,9 @@ BAD = [
     ("stop_token_ids", {"stop_token_ids": [2**31]}),
     ("stop_token_ids", {"stop_token_ids": [10**6]}),
     ("prompt", {"prompt": ["x"] * 65}),  # more prompts than max_waiting: was 503 "retry later"
+    # Without stream = true, as OpenAI (were accepted and ignored).
+    ("stream_options", {"stream_options": {"include_usage": True}}),
+    ("stream_options", {"stream": False, "stream_options": {"include_usage": False}}),
 ]
 
 
@@ -251,7 +255,11 @@ CHAT_BAD = [
     ("chat_template_kwargs", {"chat_template_kwargs": {"messages": []}}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": False}}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
-    ("messages", {"chat_template_kwargs": {"documents": 5}}),  # was a 500 (TypeError)
+    # Faults of chat_template_kwargs were 400s naming messages (documents=5 was a 500 before).
+    ("chat_template_kwargs", {"chat_template_kwargs": {"documents": 5}}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"date_string": 5}}),  # 'Today: ' + 5
+    ("chat_template_kwargs", {"chat_template_kwargs": {"continue_final_message": True}}),
+    ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream = true
 ]
 
 
@@ -262,6 +270,92 @@ def test_invalid_chat_fields_400(server, client, param, body):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     served(client)
+
+
+# Unknown roles were passed to the template; a null user / system content rendered as ""; an
+# image part was refused with "Input should be a valid string".
+MESSAGES_BAD = [
+    ("messages.0.role", "'wizard'", [{"role": "wizard", "content": "hi"}]),
+    ("messages.1.role", "'User'", [{"role": "user", "content": "a"}, {"role": "User"}]),
+    ("messages.0.content", "'user'", [{"role": "user", "content": None}]),
+    ("messages.0.content", "'system'", [{"role": "system"}, {"role": "user", "content": "a"}]),
+    ("messages.0.content", "'tool'", [{"role": "tool", "tool_call_id": "c"}]),
+    (
+        "messages.0.content",
+        "'image_url'",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ),
+    (
+        "messages.0.content",
+        "part 1",
+        [{"role": "user", "content": [{"type": "text", "text": ""}, 5]}],
+    ),
+    ("messages.0.content", "'text'", [{"role": "user", "content": [{"type": "text"}]}]),
+]
+
+
+@pytest.mark.parametrize("param,named,messages", MESSAGES_BAD)
+def test_bad_message_role_or_content_400(server, client, param, named, messages):
+    body = {"model": MODEL, "messages": messages}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and named in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    served(client)
+
+
+def test_every_role_text_parts_and_template_kwargs_render(model, server, client):
+    """The six OpenAI roles, text parts (joined), a null assistant content and a template
+    variable render as the template says: the chat completion is the completion of that text."""
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "developer", "content": [{"type": "text", "text": "D"}]},
+        {"role": "user", "content": [{"type": "text", "text": t} for t in ("U1", "U2")]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "tool", "content": "T", "tool_call_id": "c"},
+        {"role": "function", "content": None, "name": "f"},
+    ]
+    text = "Today: d\n<|system|>S\n<|developer|>D\n<|user|>U1U2\n<|assistant|>\n<|tool|>T\n"
+    text += "<|function|>\n<|assistant|>"
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
+        "chat_template_kwargs": {"date_string": "d"},
+    }  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = model[2].encode(text, add_special_tokens=False).ids
+    ref = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert r.json()["choices"][0]["message"]["content"] == ref.choices[0].text
+
+
+def test_template_failure_names_the_input_at_fault():
+    """A template that fails only with chat_template_kwargs is their fault; one that fails on
+    the messages without them is the messages' (the same request with both: messages)."""
+    template = (
+        "{% if date_string is defined %}{{ 'Today: ' + date_string }}{% endif %}"
+        "{% for m in messages %}{% if m.content == 'no' %}{{ raise_exception('no') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+
+    def render(content, kwargs):
+        req = protocol.ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": [{"role": "user", "content": content}],
+             "chat_template_kwargs": kwargs}
+        )  # fmt: skip
+        return protocol.chat_prompt(req, None, template)
+
+    assert render("hi", {"date_string": "d "}) == "Today: d hi"
+    for content, kwargs, param in [
+        ("hi", {"date_string": 5}, "chat_template_kwargs"),
+        ("no", {"date_string": "d"}, "messages"),
+        ("no", {"date_string": 5}, "messages"),
+        ("no", None, "messages"),
+    ]:
+        with pytest.raises(protocol.APIError) as e:
+            render(content, kwargs)
+        assert e.value.status == 400 and e.value.param == param, (content, kwargs, e.value.message)
 
 
 def test_malformed_json_unknown_model_and_pool(server, client):
