@@ -83,7 +83,8 @@ class _Server:
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise P.APIError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                404,
+                f"model {P.shown(name)} does not exist; this server serves {self.model_name!r}",
                 "model", "model_not_found",
             )  # fmt: skip
 

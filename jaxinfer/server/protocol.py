@@ -126,6 +126,13 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut to `limit` characters: a client's 1 MB role name or
+    stop list is not sent back whole."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
 def _check_neutral(req: _Sampling) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
@@ -184,7 +191,8 @@ def sampling_params(
         raise _bad(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
     stops = req.stop_token_ids or []
     if any(not 0 <= s <= INT32_MAX for s in stops):
-        raise _bad("stop_token_ids", f"{stops!r}: token ids must be in [0, 2**31 - 1]")
+        bad = next(s for s in stops if not 0 <= s <= INT32_MAX)
+        raise _bad("stop_token_ids", f"{bad}: token ids must be in [0, 2**31 - 1]")
     # OpenAI seeds are any int; the engine's keys take [0, 2**31). No seed: a fresh one.
     seed = random.randrange(2**31) if req.seed is None else req.seed % 2**31
     try:
@@ -226,7 +234,7 @@ def _content_text(param: str, parts: list) -> str:
         if part.get("type") != "text":
             raise _bad(
                 param,
-                f"part {j} has type {part.get('type')!r}; this server takes only 'text' parts",
+                f"part {j} has type {shown(part.get('type'))}; this server takes only 'text' parts",
             )
         if not isinstance(part.get("text"), str):
             raise _bad(param, f"part {j}: a 'text' part needs a string 'text'")
@@ -240,11 +248,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
-            raise _bad(f"messages.{i}.role", f"{m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise _bad(
+                f"messages.{i}.role", f"{shown(m.role)} is not one of {', '.join(CHAT_ROLES)}"
+            )
         if m.content is None and m.role not in _NULL_CONTENT_ROLES:
             raise _bad(
                 f"messages.{i}.content",
-                f"a {m.role!r} message needs content (a string or a list of text parts)",
+                f"a {shown(m.role)} message needs content (a string or a list of text parts)",
             )
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):

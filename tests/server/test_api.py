@@ -291,6 +291,8 @@ MESSAGES_BAD = [
         [{"role": "user", "content": [{"type": "text", "text": ""}, 5]}],
     ),
     ("messages.0.content", "'text'", [{"role": "user", "content": [{"type": "text"}]}]),
+    # A long bad value is named by its start and its length, not echoed whole.
+    ("messages.0.role", "'wwwww", [{"role": "w" * 100_000, "content": "hi"}]),
 ]
 
 
@@ -302,6 +304,7 @@ def test_bad_message_role_or_content_400(server, client, param, named, messages)
     err = r.json()["error"]
     assert err["param"] == param and named in err["message"], err
     assert set(err) == {"message", "type", "param", "code"}
+    assert len(err["message"]) < 300, len(err["message"])
     served(client)
 
 
@@ -368,7 +371,10 @@ def test_malformed_json_unknown_model_and_pool(server, client):
         served(client)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
-    assert e.value.body["param"] == "model"
+    assert e.value.body["param"] == "model" and "'gpt-4'" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:  # a long name is cut, not echoed whole
+        client.completions.create(model="m" * 100_000, prompt="x")
+    assert "'mmm" in e.value.body["message"] and len(e.value.body["message"]) < 300
     # Fits the context (1024) but not the pool (64 blocks x 16 slots) with n = 4 forks.
     r = httpx.post(
         server.url + "/v1/completions",
