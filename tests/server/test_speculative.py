@@ -80,6 +80,9 @@ def _generate_all(model, spec_client):
 
 def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, spec_server,
                                                                        spec_client):  # fmt: skip
+    # The counters below are the server's totals; only the request log is read from here on (a
+    # test of this module that ran earlier on the same server has its own lines before).
+    logged = (spec_server.dir / "requests.jsonl").read_text().splitlines()
     _generate_all(model, spec_client)
 
     def counters(eng):
@@ -113,7 +116,9 @@ def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, sp
     assert sum(r["accepted"] for r in lines) == accepted
     assert all(isinstance(r["text"], str) for r in lines)
     # The request log: one line per finished request, in order of time.
-    reqs = [json.loads(x) for x in (spec_server.dir / "requests.jsonl").read_text().splitlines()]
+    reqs = (spec_server.dir / "requests.jsonl").read_text().splitlines()
+    assert reqs[: len(logged)] == logged
+    reqs = [json.loads(x) for x in reqs[len(logged) :]]
     assert len(reqs) == len(PROMPTS)
     for r in reqs:
         assert r["arrival"] <= r["first_token"] <= r["last_token"] <= r["finish"]
