@@ -226,7 +226,7 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def _content_text(param: str, parts: list) -> str:
-    """The text of a list of content parts; only text parts are taken."""
+    """The text of a list of content parts, one line each; only text parts are taken."""
     texts = []
     for j, part in enumerate(parts):
         if not isinstance(part, dict):
@@ -239,7 +239,7 @@ def _content_text(param: str, parts: list) -> str:
         if not isinstance(part.get("text"), str):
             raise _bad(param, f"part {j}: a 'text' part needs a string 'text'")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins a message's text parts
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

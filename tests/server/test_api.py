@@ -309,8 +309,9 @@ def test_bad_message_role_or_content_400(server, client, param, named, messages)
 
 
 def test_every_role_text_parts_and_template_kwargs_render(model, server, client):
-    """The six OpenAI roles, text parts (joined), a null assistant content and a template
-    variable render as the template says: the chat completion is the completion of that text."""
+    """The six OpenAI roles, text parts (joined by newlines, as vLLM does), a null assistant
+    content and a template variable render as the template says: the chat completion is the
+    completion of that text."""
     messages = [
         {"role": "system", "content": "S"},
         {"role": "developer", "content": [{"type": "text", "text": "D"}]},
@@ -319,13 +320,13 @@ def test_every_role_text_parts_and_template_kwargs_render(model, server, client)
         {"role": "tool", "content": "T", "tool_call_id": "c"},
         {"role": "function", "content": None, "name": "f"},
     ]
-    text = "Today: d\n<|system|>S\n<|developer|>D\n<|user|>U1U2\n<|assistant|>\n<|tool|>T\n"
+    text = "Today: d\n<|system|>S\n<|developer|>D\n<|user|>U1\nU2\n<|assistant|>\n<|tool|>T\n"
     text += "<|function|>\n<|assistant|>"
     body = {
         "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
         "chat_template_kwargs": {"date_string": "d"},
     }  # fmt: skip
-    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600)  # may compile
     assert r.status_code == 200, r.text
     ids = model[2].encode(text, add_special_tokens=False).ids
     ref = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
