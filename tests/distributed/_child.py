@@ -30,7 +30,8 @@ def child_env(devices: int | None = None) -> dict[str, str]:
 
 def run_cases(path: str, expected: int, devices: int, timeout: float) -> None:
     """Runs `path` (relative to the repo root) under pytest; asserts exactly `expected` passed."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
+    # -n0: the cases run in this one child (setup.cfg's `-n auto` would start xdist workers).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", path]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=child_env(devices), capture_output=True, text=True, timeout=timeout
     )
