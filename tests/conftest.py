@@ -7,7 +7,7 @@ import pytest
 
 # `-n auto` (setup.cfg) gives one worker per core, at most this many. A worker's step is
 # compilation (one thread) and XLA's run (all cores), so two workers on two cores keep both busy
-# (the suite: 44 minutes in one process, 32 in two, on 2 cores); beyond a few, every worker holds
+# (the suite: 44 minutes in one process, 25-27 in two, on 2 cores); beyond a few, every worker holds
 # its own copy of the loaded models.
 MAX_WORKERS = 4
 
