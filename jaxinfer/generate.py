@@ -17,10 +17,12 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.cache.metadata import (
     BatchMetadata,
+    bucket,
     decode_batch,
     finite_rows,
     is_stop,
@@ -33,6 +35,7 @@ from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout, remembered_loop_layout
 from jaxinfer.ops.backend import resolve_backend, resolve_platform
+from jaxinfer.penalties import PenaltyBatch, add_tokens, apply_penalties, history_counts
 from jaxinfer.requests import (  # noqa: F401  (GenerationOutput, stop_table, validate_requests:
     GenerationOutput,  # re-exported where users import them from since before requests.py)
     check_pad_to,
@@ -40,6 +43,7 @@ from jaxinfer.requests import (  # noqa: F401  (GenerationOutput, stop_table, va
     prompt_batch,
     prompt_bucket,
     stop_table,
+    token_list,
     validate_requests,
 )
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
@@ -59,6 +63,10 @@ class DecodeState:
     stopped: jax.Array  # [B] bool finished on a stop token (finish reason "stop")
     failed: jax.Array  # [B] bool finished on non-finite logits (finish reason "error")
     step: jax.Array  # [] int32 tokens sampled per live row so far: 1 after the prefill
+    # With penalties only (None otherwise): each row's output token counts and the tokens of its
+    # prompt or output (`jaxinfer.penalties`).
+    counts: jax.Array | None = None  # [B, V] int32
+    seen: jax.Array | None = None  # [B, V] bool
 
 
 @functools.partial(
@@ -72,6 +80,7 @@ def _generate_core(
     sb: SamplingBatch,  # [B] rows
     stops: jax.Array,  # [B, n_stop] int32, -1 padded
     max_tokens: jax.Array,  # [B] int32 (0 for padding rows)
+    penalties: tuple[PenaltyBatch, jax.Array] | None,  # [B] rows, [B, P] prompts (-1 padded)
     *,
     cfg: ModelConfig,
     max_new: int,
@@ -87,10 +96,21 @@ def _generate_core(
     if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
         cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
-    first = sample(logits[:b], sb, prompt_lens)  # the token at position prompt_len
+    counts = seen = None
+    if penalties is not None:
+        pb, prompt_ids = penalties
+        counts, seen = history_counts(prompt_ids, prompt_lens, cfg.vocab_size)  # [B, V] x2
+
+    def penalized(logits, counts, seen):  # [B, V]: what `sample` reads
+        return logits if penalties is None else apply_penalties(logits, pb, counts, seen)
+
+    # The token at position prompt_len.
+    first = sample(penalized(logits[:b], counts, seen), sb, prompt_lens)
     # A row whose prefill logits are not finite fails at once and emits nothing.
     failed = (max_tokens > 0) & ~finite_rows(logits[:b])  # [B]
     n_out, stopped, done = start_flags(first, max_tokens, stops, failed)
+    if penalties is not None:
+        counts, seen = add_tokens(counts, seen, first, n_out > 0)
     state = DecodeState(
         cache=cache,
         last=first,
@@ -101,6 +121,8 @@ def _generate_core(
         stopped=stopped,
         failed=failed,
         step=jnp.int32(1),
+        counts=counts,
+        seen=seen,
     )
 
     def cond(st: DecodeState):
@@ -112,9 +134,12 @@ def _generate_core(
         # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
         batch = decode_batch(st.last, st.lens, tables, block_size)
         logits, cache = forward(params, cfg, batch, st.cache, backend=backend)  # [B, V]
-        new = sample(logits, sb, st.lens + 1)  # [B]
+        new = sample(penalized(logits, st.counts, st.seen), sb, st.lens + 1)  # [B]
         bad = ~st.done & ~finite_rows(logits)  # stop 1: non-finite logits, nothing emitted
         live = ~st.done & ~bad
+        counts, seen = st.counts, st.seen
+        if penalties is not None:
+            counts, seen = add_tokens(counts, seen, new, live)
         at = jnp.minimum(st.n_out, max_new - 1)  # [B] the next output slot (clamped when done)
         out = st.out.at[rows, at].set(jnp.where(live, new, st.out[rows, at]))
         n_out = st.n_out + live
@@ -131,10 +156,23 @@ def _generate_core(
             stopped=st.stopped | hit,
             failed=st.failed | bad,
             step=st.step + 1,
+            counts=counts,
+            seen=seen,
         )
 
     st = jax.lax.while_loop(cond, body, state)
     return st.out, st.n_out, st.stopped, st.failed, st.step  # step: 1 + decode iterations run
+
+
+def _penalty_inputs(cfg, prompts, sampling, b: int):
+    """`_generate_core`'s penalties: None unless a request has one; else the `[b]` rows and the
+    prompts as a `[b, P]` int32 array, -1 padded, P bucketed to a power of two."""
+    if not any(sp.penalized for sp in sampling):
+        return None
+    ids = np.full((b, bucket(max(len(p) for p in prompts))), -1, np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = token_list(p)
+    return PenaltyBatch.from_params(sampling, cfg.vocab_size, pad_to=b), ids
 
 
 def generate(
@@ -189,6 +227,7 @@ def generate(
             SamplingBatch.from_params(sampling, pad_to=b),
             stop_table(cfg, sampling, b),
             batch.max_tokens,
+            _penalty_inputs(cfg, prompts, sampling, b),
             cfg=cfg,
             max_new=max_new,
             block_size=block_size,

@@ -85,7 +85,7 @@ def validate_requests(
     """Checks prompts and sampling params; returns one SamplingParams per prompt.
 
     Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
-    vocabulary, a stop token id outside the vocabulary, prompt + max_tokens beyond
+    vocabulary, a stop token id or logit_bias id outside the vocabulary, prompt + max_tokens beyond
     max_position_embeddings, a sampling list of the wrong length, n != 1. A prompt is a list,
     tuple, numpy or jax array of integer token ids.
     """
@@ -121,6 +121,12 @@ def validate_requests(
             raise ValueError(
                 f"sampling[{i}].stop_token_ids has {bad_stops[0]}, outside the vocabulary "
                 f"[0, {cfg.vocab_size}): the model can never emit it"
+            )
+        bad_bias = [t for t, _ in sp.logit_bias if t >= cfg.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"sampling[{i}].logit_bias has token id {bad_bias[0]}, outside the vocabulary "
+                f"[0, {cfg.vocab_size})"
             )
         if len(p) + sp.max_tokens > cfg.max_position_embeddings:
             raise ValueError(

@@ -11,8 +11,9 @@ decoding can reproduce plain sampling exactly by sharing the same noise. The par
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,17 @@ class SamplingParams:
       n: parallel samples per prompt (the engine forks the prompt's blocks).
       logprobs: None, or return the sampled token's log-probability and this many top
         alternatives per token (the engine; the model's distribution before processing).
+      presence_penalty: subtracted from the logit of every token the output holds, in [-2, 2]
+        (OpenAI's range); 0 turns it off.
+      frequency_penalty: subtracted once per occurrence in the output, in [-2, 2]; 0: off.
+      repetition_penalty: tokens of the prompt or the output have positive logits divided by
+        it and negative ones multiplied (the CTRL paper's rule, as transformers and vLLM), in
+        [0.01, 100] (float32 logits stay finite); 1 turns it off.
+      logit_bias: `{token id: bias}` (or `(id, bias)` pairs) added to the logits, each bias in
+        [-100, 100] (OpenAI's range); stored as pairs sorted by id.
+
+    The penalties and the bias act on the logits before temperature (`jaxinfer.penalties`), in
+    vLLM's order: bias, repetition, frequency and presence. They change greedy rows too.
     """
 
     temperature: float = 1.0
@@ -58,6 +70,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         def bad(field, expected):
@@ -91,6 +107,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool | np.bool_):
             bad("ignore_eos", "a bool")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        real("presence_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+        real("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+        real("repetition_penalty", lambda v: 0.01 <= v <= 100, "a number in [0.01, 100]")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         stops = self.stop_token_ids
         if isinstance(stops, str | bytes) or is_int(stops) or getattr(stops, "ndim", 1) != 1:
             bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
@@ -105,6 +125,58 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> dict:
+        """The penalty and logit-bias settings that are on, `{field: value}`."""
+        return {
+            k: getattr(self, k) for k in PENALTY_FIELDS if getattr(self, k) != _NEUTRAL_PENALTY[k]
+        }
+
+    @functools.cached_property  # read for every row of every engine step
+    def penalized(self) -> bool:
+        """Whether a penalty or a logit bias is on (the step then needs the token history)."""
+        return bool(self.penalties)
+
+
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+_NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "logit_bias": ()}  # fmt: skip
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as `((id, bias), ...)` sorted by id; raises ValueError naming the entry."""
+    expected = "a {token id: bias} mapping or (id, bias) pairs, ids in [0, 2**31 - 1]"
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, str | bytes) or not isinstance(bias, Sequence | np.ndarray):
+        raise ValueError(f"SamplingParams.logit_bias={bias!r} is invalid: expected {expected}")
+    else:
+        items = list(bias)
+    pairs = {}
+    for item in items:
+        if not isinstance(item, Sequence | np.ndarray) or len(item) != 2:
+            raise ValueError(
+                f"SamplingParams.logit_bias={bias!r} is invalid: entry {item!r} is not an "
+                f"(id, bias) pair; expected {expected}"
+            )
+        tid, b = as_int(item[0]), as_float(item[1])
+        if tid is None or not 0 <= tid <= INT32_MAX:
+            raise ValueError(
+                f"SamplingParams.logit_bias={bias!r} is invalid: token id {item[0]!r}; expected "
+                f"{expected}"
+            )
+        if b is None or not -100 <= b <= 100:
+            raise ValueError(
+                f"SamplingParams.logit_bias={bias!r} is invalid: bias {item[1]!r} of token {tid};"
+                " expected a number in [-100, 100]"
+            )
+        if tid in pairs:
+            raise ValueError(
+                f"SamplingParams.logit_bias={bias!r} is invalid: token id {tid} appears twice"
+            )
+        pairs[tid] = b
+    return tuple(sorted(pairs.items()))
 
 
 _PAD_ROW = SamplingParams(temperature=0.0)  # padding rows of a SamplingBatch: greedy, seed 0

@@ -171,6 +171,13 @@ class Engine:
                 f"request {index} ({request_id!r}): logprobs={sp.logprobs} is not supported with "
                 "EngineConfig.speculative; expected logprobs=None"
             )
+        if self.config.speculative is not None and sp.penalized:
+            raise ValueError(
+                f"request {index} ({request_id!r}): "
+                + ", ".join(f"{k}={v!r}" for k, v in sp.penalties.items())
+                + ": penalties and logit_bias are not supported with EngineConfig.speculative; "
+                "expected their neutral values"
+            )
         probe_id = ("probe", index)
         try:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
@@ -423,7 +430,8 @@ class Engine:
         self.step_shapes[batch.shape] += 1
         self._step_logprobs = {}
         k = max((sp.logprobs for sp in batch.sps if sp.logprobs is not None), default=None)
-        args = (self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index)
+        args = (self.params, self.cache, batch.meta, batch.src, batch.sb, batch.pos, batch.index,
+                batch.pen)  # fmt: skip
         if k is None:
             tokens, self.cache = _step(*args, cfg=self.cfg, backend=self.config.backend)
         else:  # top-k padded to a power of two: few compilations

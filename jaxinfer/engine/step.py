@@ -23,6 +23,7 @@ from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.head_drafting import HeadPool, copy_pool_blocks
 from jaxinfer.engine.scheduler import Schedule
 from jaxinfer.model.decoder import forward
+from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 
@@ -35,15 +36,34 @@ def _step(
     sb: SamplingBatch,  # [B] rows
     sample_pos: jax.Array,  # [B] int32 position of each sampled token
     sample_index: jax.Array,  # [B] int32
+    pen: Penalties | None = None,  # only for a batch with a penalized row
     *,
     cfg: ModelConfig,
     backend: str,
 ) -> tuple[jax.Array, PagedKVCache]:
     logits, cache = forward(params, cfg, meta, cache, backend=backend)  # [B, V]
     rows = logits[sample_src]  # [B, V]
-    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
+    tokens = sample(_penalized(rows, pen), sb, sample_pos, sample_index)  # [B]
     # A non-finite row is flagged as -1, so the one [B] transfer carries the check too.
     return jnp.where(finite_rows(rows), tokens, -1), cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """A step's penalty inputs (`jaxinfer.penalties`): settings and each sample row's tokens."""
+
+    pb: PenaltyBatch  # [B] rows
+    history: jax.Array  # [B, H] int32 prompt then output tokens before the sampled one, -1 pad
+    num_prompt: jax.Array  # [B] int32 prompt tokens at the head of each history
+
+
+def _penalized(rows: jax.Array, pen: Penalties | None) -> jax.Array:
+    """`rows [B, V]` with each row's penalties and logit bias applied (None: as they are)."""
+    if pen is None:
+        return rows
+    counts, seen = history_counts(pen.history, pen.num_prompt, rows.shape[-1])  # [B, V] x2
+    return apply_penalties(rows, pen.pb, counts, seen)
 
 
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
@@ -58,12 +78,24 @@ def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     jax.jit, static_argnames=("cfg", "backend", "num_logprobs"), donate_argnames=("cache",)
 )
 def _step_logprobs(
-    params, cache, meta, sample_src, sb, sample_pos, sample_index, *, cfg, backend, num_logprobs
+    params,
+    cache,
+    meta,
+    sample_src,
+    sb,
+    sample_pos,
+    sample_index,
+    pen=None,
+    *,
+    cfg,
+    backend,
+    num_logprobs,
 ):
-    """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`)."""
+    """`_step` that also returns `_token_logprobs` of the sampled rows (top `num_logprobs`): the
+    model's distribution, before penalties and sampling settings, as vLLM reports it."""
     logits, cache = forward(params, cfg, meta, cache, backend=backend)
     rows = logits[sample_src]  # [B, V]
-    tokens = sample(rows, sb, sample_pos, sample_index)  # [B]
+    tokens = sample(_penalized(rows, pen), sb, sample_pos, sample_index)  # [B]
     lp = _token_logprobs(rows, tokens, num_logprobs)
     return (jnp.where(finite_rows(rows), tokens, -1), lp), cache
 
@@ -112,6 +144,7 @@ class _Batch:
     ids: list[int]  # [R] seq id of each real sample row
     shape: tuple[int, int, int]  # (T, B, M)
     sps: tuple[SamplingParams, ...]  # [R] the request settings of each real sample row
+    pen: Penalties | None = None  # with a penalized row only
 
 
 def _padded(values: list[int], n: int) -> np.ndarray:
@@ -170,4 +203,20 @@ def build_batch(engine, schedule: Schedule) -> _Batch:
     index = _padded([engine._sample_index[sid] for sid in ids], b)
     sps = [engine._live[seqs[i].request_id].sampling for i, _ in rows]
     sb = SamplingBatch.from_params(sps, pad_to=b)
-    return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps))
+    pen = None
+    if any(sp.penalized for sp in sps):
+        seq_states = [engine.scheduler.sequence(seqs[i].seq_id) for i, _ in rows]
+        pen = _penalties(engine.cfg.vocab_size, sps, seq_states, pos, b)
+    return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps), pen)
+
+
+def _penalties(vocab_size: int, sps, seq_states, pos: np.ndarray, b: int) -> Penalties:
+    """Each sample row's tokens before the one it samples (its sequence's first `pos`), padded
+    to `[b, H]`, H a power of two >= 16: few compilations as outputs grow."""
+    h = bucket(max(int(pos.max()), 1), 16)
+    history = np.full((b, h), -1, np.int32)
+    num_prompt = np.zeros(b, np.int32)
+    for r, seq in enumerate(seq_states):
+        history[r, : pos[r]] = seq.token_ids[: pos[r]]
+        num_prompt[r] = seq.num_prompt_tokens
+    return Penalties(PenaltyBatch.from_params(sps, vocab_size, pad_to=b), history, num_prompt)

@@ -257,11 +257,14 @@ def build_app(
 async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, logprobs):
     chat = isinstance(req, P.ChatCompletionRequest)
     field = "messages" if chat else "prompt"
-    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n)
+    vocab = srv.engine.engine.cfg.vocab_size
+    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n, vocab)
     stops = P.stop_strings(req)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
-    vocab = srv.engine.engine.cfg.vocab_size
+    if srv.speculative and sp.penalized:
+        name = next(iter(sp.penalties))
+        raise P.APIError(400, f"{name}: not supported with speculative decoding", name)
     beyond = [t for t in sp.stop_token_ids if t >= vocab]
     if beyond:
         raise P.APIError(

@@ -4,8 +4,10 @@ chat request's prompt (its messages rendered by the chat template).
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
 an int belongs, or a bool where a number belongs is a 400 naming the field; unknown fields are
-ignored (clients send vendor extras). Known fields the engine does not implement (penalties,
-`logit_bias`, `best_of`, `suffix`, tools) are accepted only at their neutral value.
+ignored (clients send vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias`
+(OpenAI) and `repetition_penalty` (vLLM) map to the engine's penalties (`jaxinfer.penalties`).
+Known fields the engine does not implement (`best_of` other than n, `suffix`, tools) are
+accepted only at their neutral value.
 
 Errors are raised as `APIError(status, message, param)` and rendered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}` by the app.
@@ -88,11 +90,11 @@ class _Sampling(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # vLLM extension; [0.01, 100]
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     # Known, accepted only at their neutral value.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
 
@@ -134,16 +136,20 @@ def shown(value: Any, limit: int = 80) -> str:
 
 
 def _check_neutral(req: _Sampling) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v is not None and v != 0:
-            raise _bad(name, f"{v!r} is not supported by this server (only 0)")
-    if req.repetition_penalty is not None and req.repetition_penalty != 1:
-        raise _bad("repetition_penalty", "not supported by this server (only 1)")
-    if req.logit_bias:
-        raise _bad("logit_bias", "not supported by this server")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of", "only best_of = n is supported")
+
+
+def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` with int keys; raises APIError(400) naming a key that is not a token id of
+    the vocabulary (OpenAI's keys are token ids written as strings)."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        tid = int(key) if re.fullmatch(r"\d{1,10}", key.strip()) else None
+        if tid is None or tid >= vocab_size:
+            raise _bad("logit_bias", f"key {shown(key)} is not a token id in [0, {vocab_size})")
+        out[tid] = bias
+    return out
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -154,7 +160,7 @@ def stop_strings(req: _Sampling) -> list[str]:
 
 
 def sampling_params(
-    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
+    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int
 ) -> SamplingParams:
     """The engine's SamplingParams of a request; raises APIError(400) naming the bad field.
 
@@ -163,6 +169,7 @@ def sampling_params(
       max_tokens: the resolved token limit (the request's, or the default).
       logprobs: None, or how many top alternatives per token to return.
       max_n: the most parallel samples the engine runs (its max_num_seqs).
+      vocab_size: the model's vocabulary (`logit_bias` keys must lie in it).
     """
     _check_neutral(req)
     if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
@@ -207,6 +214,10 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             n=req.n,
             logprobs=logprobs,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias(req, vocab_size),
         )
     except ValueError as e:  # a bound checked only there: still a 400, not a 500
         field = re.match(r"SamplingParams\.(\w+)=", str(e))

@@ -360,6 +360,13 @@ def prepare_run(
     sampling = validate_requests(cfg, prompts, sampling)
     limit = min(cfg.max_position_embeddings, (dcfg or head or cfg).max_position_embeddings)
     for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        if sp.penalized:
+            raise ValueError(
+                f"sampling[{i}]: "
+                + ", ".join(f"{k}={v!r}" for k, v in sp.penalties.items())
+                + ": penalties and logit_bias are not supported by speculative decoding; "
+                "expected their neutral values (ji.generate and ji.Engine support them)"
+            )
         need = len(p) + sp.max_tokens + gamma + 1
         if need > limit:
             raise ValueError(

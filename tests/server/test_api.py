@@ -110,6 +110,36 @@ def test_n2_seed_and_reproducibility(model, client):
     assert lp.usage.completion_tokens == sum(len(ch.logprobs.tokens) for ch in lp.choices)
 
 
+def test_penalties_and_logit_bias_equal_generate(model, client):
+    """OpenAI's presence / frequency penalties and logit_bias and vLLM's repetition_penalty
+    reach the engine: greedy text equals ji.generate's with the same settings, and differs
+    from the unpenalized text."""
+    tok = model[2]
+    ids = _ids(tok, PROMPT)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    first = _ids(tok, plain.choices[0].text)[0]
+    cases = [
+        dict(presence_penalty=1.5, frequency_penalty=0.7),
+        dict(logit_bias={str(first): -100}),
+        dict(extra_body={"repetition_penalty": 1.6}),
+    ]
+    for kw in cases:
+        r = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **kw
+        )
+        sp = {**kw.pop("extra_body", {}), **kw}
+        if "logit_bias" in sp:
+            sp["logit_bias"] = {int(k): v for k, v in sp["logit_bias"].items()}
+        _, text = _reference(model, ids, 24, **sp)
+        assert r.choices[0].text == text, kw
+        assert r.choices[0].text != plain.choices[0].text, kw
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "sum"}], max_tokens=8, temperature=0,
+        logit_bias={str(first): 100},
+    )  # fmt: skip
+    assert _ids(tok, chat.choices[0].message.content)[0] == first
+
+
 def test_stop_strings_streaming_and_not(model, client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
     text = full.choices[0].text
@@ -203,8 +233,16 @@ BAD = [
     ("stream", {"stream": "yes"}),
     ("stream_options.include_usage", {"stream": True, "stream_options": {"include_usage": 1}}),
     ("presence_penalty", {"presence_penalty": "x"}),
-    ("presence_penalty", {"presence_penalty": 0.5}),
-    ("logit_bias", {"logit_bias": {"1": 5.0}}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -2.01}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
+    ("repetition_penalty", {"repetition_penalty": "1.1"}),
+    ("logit_bias", {"logit_bias": {"1": 101.0}}),
+    ("logit_bias", {"logit_bias": {"one": 5.0}}),
+    ("logit_bias", {"logit_bias": {"-1": 5.0}}),
+    ("logit_bias", {"logit_bias": {str(10**6): 5.0}}),  # beyond the vocabulary
+    ("logit_bias.1", {"logit_bias": {"1": "5"}}),
+    ("best_of", {"best_of": 3}),
     ("user", {"user": 5}),
     ("prompt", {"prompt": 5}),
     ("prompt", {"prompt": [1.5, 2]}),

@@ -125,7 +125,7 @@ def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, sp
         assert r["completion_tokens"] == 20 or r["finish_reason"] == "stop"
 
 
-def test_logprobs_refused_with_speculation(spec_server, spec_client):
+def test_logprobs_and_penalties_refused_with_speculation(spec_server, spec_client):
     for kw in ({"logprobs": 2}, {"echo": True, "logprobs": 0}):
         with pytest.raises(openai.BadRequestError) as e:
             spec_client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
@@ -135,6 +135,12 @@ def test_logprobs_refused_with_speculation(spec_server, spec_client):
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True
         )
     assert e.value.body["param"] == "logprobs"
+    for kw in ({"presence_penalty": 0.5}, {"logit_bias": {"3": 1.0}},
+               {"extra_body": {"repetition_penalty": 1.2}}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            spec_client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
+        name = next(iter(kw.get("extra_body", kw)))
+        assert e.value.body["param"] == name and "speculative" in e.value.body["message"]
     served(spec_client)
 
 

@@ -1,0 +1,156 @@
+"""Penalties and logit bias in the engine: the same tokens as `ji.generate` under preemption,
+prefix caching and chunked prefill; forks penalized by their own histories; refused with
+speculation. The step's history is rebuilt from the scheduler's sequences each step, so these
+are the cases where it could go wrong: a recomputed (preempted) sequence, a prompt split over
+chunks, a prompt served from the prefix cache, the n samples of one request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts
+from jaxinfer.sampling import SamplingBatch, process_logits
+from tests.helpers import random_params
+
+CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
+S = 4
+MAX_TOKENS = 12
+ECFG = EngineConfig(
+    block_size=S,
+    num_blocks=15,  # 56 slots for ten requests of up to 36 tokens: they preempt
+    max_num_seqs=8,
+    max_num_batched_tokens=256,
+    backend="reference",
+    min_token_bucket=16,
+    min_block_bucket=16,
+    min_seq_bucket=8,
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, seed=7)
+
+
+def _workload():
+    """Ten prompts from a small id range (tokens repeat, so penalties change the argmax), in
+    pairs sharing a prefix of 0 to 2S + 3 tokens: the second of a pair hits the prefix cache."""
+    rng = np.random.RandomState(4)
+    prompts = []
+    for shared in (0, S - 1, S, 2 * S + 3, 2 * S + 3):
+        prefix = rng.randint(0, 24, shared).tolist()
+        for _ in range(2):
+            prompts.append(prefix + rng.randint(0, 24, rng.randint(3, 14)).tolist())
+    return prompts
+
+
+PROMPTS = _workload()
+
+
+def _settings(temperature: float) -> list[ji.SamplingParams]:
+    """Per-request penalties of every kind, one request without any."""
+    kinds = [
+        dict(repetition_penalty=1.6),
+        dict(frequency_penalty=1.2),
+        dict(presence_penalty=1.5, logit_bias={5: 2.0}),
+        dict(repetition_penalty=0.8, frequency_penalty=-0.5),
+        dict(),
+    ]
+    return [
+        ji.SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
+                          max_tokens=MAX_TOKENS, seed=30 + i, **kinds[i % len(kinds)])
+        for i in range(len(PROMPTS))
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("budget,prefix", [(1, True), (7, False), (256, True)])
+def test_engine_matches_generate(params, temperature, budget, prefix):
+    sps = _settings(temperature)
+    ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
+    plain = ji.generate(CFG, params, PROMPTS, [dataclasses.replace(sp, presence_penalty=0,
+                        frequency_penalty=0, repetition_penalty=1, logit_bias=()) for sp in sps],
+                        backend="reference")  # fmt: skip
+    # The penalties changed most outputs, so matching `ref` is not matching plain decoding.
+    assert sum(r.token_ids != p.token_ids for r, p in zip(ref, plain)) >= 5
+    ecfg = dataclasses.replace(ECFG, max_num_batched_tokens=budget, enable_prefix_caching=prefix)
+    engine = Engine(CFG, params, ecfg)
+    outs = engine.generate(PROMPTS, sps)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, f"request {i}"
+    assert engine.num_preemptions > 0 or budget == 1
+    if prefix:
+        assert engine.allocator.prefix_cache_hits > 0
+    assert engine.allocator.num_used_blocks == 0
+
+
+def _dense_penalized_sample(params, prompt, sp, sample_index):
+    """Sample `sample_index` of a request, scored without a cache: dense logits, the penalties
+    of this sample's own history, then the engine's per-sample noise."""
+    sb = SamplingBatch.from_params([sp])
+    pb = PenaltyBatch.from_params([sp], CFG.vocab_size)
+    seq = list(prompt)
+    for _ in range(sp.max_tokens):
+        logits = ji.forward_dense(params, CFG, jnp.asarray([seq]))[:, -1]  # [1, V]
+        counts, seen = history_counts(
+            jnp.asarray([seq]), jnp.asarray([len(prompt)]), CFG.vocab_size
+        )
+        x = process_logits(apply_penalties(logits, pb, counts, seen), sb)[0]
+        key = jax.random.fold_in(jax.random.key(sp.seed), sample_index)
+        g = jax.random.gumbel(jax.random.fold_in(key, len(seq)), x.shape)
+        seq.append(int(jnp.argmax(x + g)))
+    return seq[len(prompt) :]
+
+
+def test_forks_are_penalized_by_their_own_history(params):
+    sp = ji.SamplingParams(temperature=1.0, max_tokens=8, seed=3, n=3, presence_penalty=2.0,
+                           frequency_penalty=1.0)  # fmt: skip
+    engine = Engine(CFG, params, ECFG)
+    out = engine.generate([PROMPTS[1]], sp)[0]
+    samples = [s.token_ids for s in out.samples]
+    assert len({tuple(s) for s in samples}) == 3
+    assert samples[0] == ji.generate(CFG, params, [PROMPTS[1]], dataclasses.replace(sp, n=1),
+                                     backend="reference")[0].token_ids  # fmt: skip
+    for j in (1, 2):
+        assert samples[j] == _dense_penalized_sample(params, PROMPTS[1], sp, j), f"sample {j}"
+    assert engine.allocator.num_used_blocks == 0
+
+
+def test_logprobs_are_the_models_and_tokens_unchanged(params):
+    sp = ji.SamplingParams(temperature=0, max_tokens=6, repetition_penalty=2.0, logprobs=2)
+    engine = Engine(CFG, params, ECFG)
+    out = engine.generate([PROMPTS[0]], sp)[0]
+    ref = ji.generate(CFG, params, [PROMPTS[0]], dataclasses.replace(sp, logprobs=None),
+                      backend="reference")[0]  # fmt: skip
+    assert out.token_ids == ref.token_ids
+    # The stream's logprobs are the model's: the chosen token's equals log_softmax of the raw
+    # logits at its position, penalty or not.
+    engine = Engine(CFG, params, ECFG)
+    rid = engine.add_request(PROMPTS[0], sp)
+    got = []
+    while engine.has_unfinished():
+        got += [lp for o in engine.step() if o.request_id == rid for lp in (o.logprobs or [])]
+    seq = PROMPTS[0] + out.token_ids
+    logits = ji.forward_dense(params, CFG, jnp.asarray([seq]))[0]  # [P + N, V]
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    for k, (chosen, _) in enumerate(got):
+        pos = len(PROMPTS[0]) + k
+        assert chosen == pytest.approx(logp[pos - 1, seq[pos]], abs=1e-4)
+
+
+def test_speculation_refuses_penalties_by_name(params):
+    spec = SpeculativeConfig(drafter="ngram", num_speculative_tokens=2)
+    engine = Engine(CFG, params, dataclasses.replace(ECFG, speculative=spec))
+    with pytest.raises(ValueError, match=r"frequency_penalty=0\.5.*not supported with Engine"):
+        engine.add_request([1, 2, 3], ji.SamplingParams(frequency_penalty=0.5), request_id="a")
+    with pytest.raises(ValueError, match=r"logit_bias=\(\(3, 1\.0\),\).*not supported"):
+        ji.speculative.generate((CFG, params), "ngram", [[1, 2, 3]],
+                                ji.SamplingParams(logit_bias={3: 1.0}))  # fmt: skip
+    assert not engine.has_unfinished()

@@ -1,0 +1,194 @@
+"""Penalties and logit bias: the device rule against a NumPy transcription of vLLM's sampler,
+`ji.generate` against a step-by-step reference and against transformers' own processors, and
+the SamplingParams boundary."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer import models
+from jaxinfer.penalties import PenaltyBatch, add_tokens, apply_penalties, history_counts
+from tests.helpers import random_params
+
+CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
+V = CFG.vocab_size
+
+
+def reference_penalties(logits, prompt, output, sp) -> np.ndarray:
+    """One row, written out from vLLM's rule: bias, then repetition over prompt and output,
+    then frequency and presence over the output."""
+    x = np.asarray(logits, np.float64).copy()
+    for tid, b in sp.logit_bias:
+        x[tid] += b
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    for t in set(output):
+        n = output.count(t)
+        x[t] -= sp.frequency_penalty * n + sp.presence_penalty
+    return x
+
+
+SETTINGS = [
+    ji.SamplingParams(repetition_penalty=1.3),
+    ji.SamplingParams(repetition_penalty=0.7, frequency_penalty=0.5),
+    ji.SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0, logit_bias={3: 5.0, 9: -80}),
+    ji.SamplingParams(logit_bias=[(0, 1.5)]),
+    ji.SamplingParams(),  # neutral: a padding-like row among penalized ones
+]
+
+
+def test_apply_penalties_matches_reference():
+    rng = np.random.RandomState(0)
+    b, h = len(SETTINGS), 24
+    logits = rng.randn(b, V).astype(np.float32) * 3
+    hist = np.full((b, h), -1, np.int32)
+    num_prompt = rng.randint(1, 12, b).astype(np.int32)
+    rows = []
+    for r in range(b):
+        n = int(rng.randint(num_prompt[r], h + 1))
+        hist[r, :n] = rng.randint(0, 12, n)  # a small id range, so tokens repeat
+        rows.append((hist[r, : num_prompt[r]].tolist(), hist[r, num_prompt[r] : n].tolist()))
+    pb = PenaltyBatch.from_params(SETTINGS, V, pad_to=b + 3)
+    pad = np.zeros((3, V), np.float32)
+    counts, seen = history_counts(
+        jnp.asarray(np.concatenate([hist, np.full((3, h), -1, np.int32)])),
+        jnp.asarray(np.concatenate([num_prompt, np.zeros(3, np.int32)])),
+        V,
+    )
+    got = np.asarray(apply_penalties(np.concatenate([logits, pad]), pb, counts, seen))
+    for r, sp in enumerate(SETTINGS):
+        want = reference_penalties(logits[r], *rows[r], sp)
+        np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[b:], pad)  # padding rows: untouched
+    np.testing.assert_array_equal(got[b - 1], logits[b - 1])  # neutral settings: bit-identical
+
+
+def test_add_tokens_equals_history_counts():
+    """ji.generate's incremental counts equal the engine's counts of the whole history."""
+    rng = np.random.RandomState(1)
+    hist = rng.randint(0, 7, (3, 10)).astype(np.int32)
+    num_prompt = np.array([2, 5, 10], np.int32)
+    prompt_only = np.where(np.arange(10)[None] < num_prompt[:, None], hist, -1)
+    counts, seen = history_counts(jnp.asarray(prompt_only), jnp.asarray(num_prompt), V)
+    for j in range(10):
+        live = jnp.asarray(j >= num_prompt)
+        counts, seen = add_tokens(counts, seen, jnp.asarray(hist[:, j]), live)
+    want_counts, want_seen = history_counts(jnp.asarray(hist), jnp.asarray(num_prompt), V)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
+    np.testing.assert_array_equal(np.asarray(seen), np.asarray(want_seen))
+    assert int(counts.sum()) == 8 + 5  # output tokens only
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, seed=7)
+
+
+def _stepwise(params, prompt, sp, n) -> list[int]:
+    """Greedy reference: rescore the growing sequence densely, penalize in NumPy, argmax."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = np.asarray(ji.score(CFG, params, [seq]))[0, -1]
+        x = reference_penalties(logits, list(prompt), seq[len(prompt) :], sp)
+        seq.append(int(np.argmax(x)))
+    return seq[len(prompt) :]
+
+
+def test_generate_greedy_matches_stepwise_reference(params):
+    rng = np.random.RandomState(2)
+    # Prompts from a small id range and a random model that repeats itself: penalties bite.
+    prompts = [rng.randint(0, 20, k).tolist() for k in (5, 17, 9)]
+    sps = [
+        ji.SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.8),
+        ji.SamplingParams(temperature=0, max_tokens=14, frequency_penalty=1.5, logit_bias={7: 3}),
+        ji.SamplingParams(temperature=0, max_tokens=14),  # unpenalized beside penalized rows
+    ]
+    outs = ji.generate(CFG, params, prompts, sps)
+    plain = ji.generate(CFG, params, prompts, ji.SamplingParams(temperature=0, max_tokens=14))
+    for p, sp, o in zip(prompts, sps, outs):
+        assert o.token_ids == _stepwise(params, p, sp, 14)
+    assert outs[2].token_ids == plain[2].token_ids
+    assert outs[0].token_ids != plain[0].token_ids  # the penalty changed something
+    # A strong presence penalty forbids repeats among the first tokens of a long output.
+    sp = ji.SamplingParams(temperature=0, max_tokens=12, presence_penalty=2.0,
+                           logit_bias={t: -100 for t in range(V) if t % 3})  # fmt: skip
+    out = ji.generate(CFG, params, [prompts[0]], sp)[0].token_ids
+    assert len(set(out)) == len(out) and all(t % 3 == 0 for t in out)
+
+
+def test_generate_sampled_penalties_are_batch_invariant(params):
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, 20, k).tolist() for k in (4, 11, 23, 6)]
+    sp = ji.SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=5,
+                           repetition_penalty=1.4, presence_penalty=0.5)  # fmt: skip
+    batch = ji.generate(CFG, params, prompts, sp)
+    for i in (0, 2):
+        assert ji.generate(CFG, params, [prompts[i]], sp)[0].token_ids == batch[i].token_ids
+    unpenalized = ji.generate(CFG, params, prompts, ji.SamplingParams(temperature=0.9,
+                              top_p=0.95, max_tokens=10, seed=5))  # fmt: skip
+    assert [o.token_ids for o in batch] != [o.token_ids for o in unpenalized]
+
+
+def test_transformers_repetition_penalty_and_sequence_bias():
+    """Greedy with transformers' RepetitionPenaltyLogitsProcessor and single-token
+    SequenceBias on the shipped draft model, real text: the same tokens as ji.generate."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer import data
+
+    path = models.path("draft")
+    cfg, p = ji.load_checkpoint(path, dtype=jnp.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = data.load_split("test")[1]
+    prompt = data.tokenize_documents(data.load_tokenizer(), [text])[:48].tolist()
+    plain = ji.generate(cfg, p, [prompt], ji.SamplingParams(temperature=0, max_tokens=32))
+    bias = {plain[0].token_ids[3]: -8.0, 100: 4.0}
+    cases = [
+        (ji.SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.5),
+         {"repetition_penalty": 1.5}),
+        (ji.SamplingParams(temperature=0, max_tokens=32, logit_bias=bias),
+         {"sequence_bias": {(t,): b for t, b in bias.items()}}),
+    ]  # fmt: skip
+    for sp, kw in cases:
+        ours = ji.generate(cfg, p, [prompt], sp)[0].token_ids
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                eos_token_id=None, pad_token_id=0, **kw,
+            )  # fmt: skip
+        assert ours == out[0, len(prompt) :].tolist(), kw
+        assert ours != plain[0].token_ids, kw  # each setting changes this greedy output
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=True), "repetition_penalty"),
+        (dict(logit_bias={1: 101}), "logit_bias"),
+        (dict(logit_bias={-2: 1}), "logit_bias"),
+        (dict(logit_bias={"5": 1}), "logit_bias"),
+        (dict(logit_bias=[(1, 1.0), (1, 2.0)]), "logit_bias"),
+        (dict(logit_bias="7"), "logit_bias"),
+    ],
+)
+def test_bad_penalties_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        ji.SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(params):
+    sp = ji.SamplingParams(logit_bias={V: 1.0})
+    with pytest.raises(ValueError, match=rf"logit_bias has token id {V}, outside"):
+        ji.generate(CFG, params, [[1, 2]], sp)
+    # Stored sorted, whatever the input order: equal settings hash equal (compile caches).
+    a = ji.SamplingParams(logit_bias={5: 1.0, 2: -1.0})
+    assert a == ji.SamplingParams(logit_bias=[(2, -1), (5, 1)]) and a.penalized
+    assert a.logit_bias == ((2, -1.0), (5, 1.0)) and not ji.SamplingParams().penalized
