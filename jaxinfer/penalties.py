@@ -54,8 +54,8 @@ class PenaltyBatch:
         ids = np.full((b, k), vocab_size, np.int32)
         bias = np.zeros((b, k), np.float32)
         for r, sp in enumerate(params):
-            for j, (tid, v) in enumerate(sp.logit_bias):
-                ids[r, j], bias[r, j] = tid, v
+            row_ids, row_bias = sp.logit_bias_arrays
+            ids[r, : len(row_ids)], bias[r, : len(row_ids)] = row_ids, row_bias
         pad = [0.0] * (b - len(params))
         return cls(
             presence=np.array([sp.presence_penalty for sp in params] + pad, np.float32),

@@ -133,6 +133,12 @@ class SamplingParams:
             k: getattr(self, k) for k in PENALTY_FIELDS if getattr(self, k) != _NEUTRAL_PENALTY[k]
         }
 
+    @functools.cached_property  # read for every step of the engine: converted once
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as `([K] int32 ids, [K] float32 biases)`."""
+        ids = np.array([t for t, _ in self.logit_bias], np.int32)
+        return ids, np.array([b for _, b in self.logit_bias], np.float32)
+
     @functools.cached_property  # read for every row of every engine step
     def penalized(self) -> bool:
         """Whether a penalty or a logit bias is on (the step then needs the token history)."""
