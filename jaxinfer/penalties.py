@@ -13,8 +13,9 @@ argmax; logprobs stay those of the model.
 
 Two ways to get the history on the device: `ji.generate` carries `(counts, seen)` through its
 decode loop and adds each sampled token (`add_tokens`); the engine sends each sampled row's
-tokens so far as a padded `[B, H]` array (`history_counts`). Both run only for batches with a
-penalized row (`SamplingParams.penalized`), so other batches compile and run as before.
+tokens so far as a padded `[B, H]` array (`history_counts`), and its speculative verification
+adds the drafts before each verified position (`with_drafts`). All of it runs only for batches
+with a penalized row (`SamplingParams.penalized`), so other batches compile and run as before.
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ def add_tokens(
     counts = counts.at[rows, tokens].add(live.astype(counts.dtype))
     seen = seen.at[rows, tokens].max(live)
     return counts, seen
+
+
+def with_drafts(
+    counts: jax.Array, seen: jax.Array, draft: jax.Array, live: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`(counts, seen)` at each of the G = γ + 1 positions a speculative step verifies.
+
+    Position j conditions on the committed history and drafts 0..j-1, so it counts them as
+    output: what plain decoding would have counted there had those drafts been sampled. A
+    position is used only if every draft before it was accepted, so this is exact.
+
+    Args:
+      counts: `[R, V]` int32 and seen `[R, V]` bool of the committed history.
+      draft: `[R, G-1]` int32 drafted tokens; live `[R, G-1]` bool which of them exist.
+
+    Returns:
+      counts `[R, G, V]` int32, seen `[R, G, V]` bool.
+    """
+    oh = jax.nn.one_hot(draft, counts.shape[-1], dtype=counts.dtype) * live[..., None]
+    cum = jnp.cumsum(oh, axis=1)  # [R, G-1, V] drafts 0..j
+    start = jnp.zeros_like(counts)[:, None]  # [R, 1, V]: position 0 follows no draft
+    cum = jnp.concatenate([start, cum], axis=1)  # [R, G, V] drafts 0..j-1
+    return counts[:, None] + cum, seen[:, None] | (cum > 0)
 
 
 def apply_penalties(

@@ -171,13 +171,6 @@ class Engine:
                 f"request {index} ({request_id!r}): logprobs={sp.logprobs} is not supported with "
                 "EngineConfig.speculative; expected logprobs=None"
             )
-        if self.config.speculative is not None and sp.penalized:
-            raise ValueError(
-                f"request {index} ({request_id!r}): "
-                + ", ".join(f"{k}={v!r}" for k, v in sp.penalties.items())
-                + ": penalties and logit_bias are not supported with EngineConfig.speculative; "
-                "expected their neutral values"
-            )
         probe_id = ("probe", index)
         try:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.

@@ -16,7 +16,8 @@ A step with speculation (`EngineConfig.speculative`):
    the device: the target's own token at every verified position (`sampling.sample`: greedy, or
    the Gumbel noise of `ji.generate` — the coupled mode, `acceptance._match_target`), or exact
    rejection sampling (`acceptance._rejection_sample_with_noise`) for sampled rows in "rejection"
-   mode. Each request commits 1..γ+1 tokens; `Scheduler.update` cuts them at stop tokens and
+   mode. Penalties and the logit bias act on every verified position, with the drafts before
+   it counted in its history (`penalties.with_drafts`). Each request commits 1..γ+1 tokens; `Scheduler.update` cuts them at stop tokens and
    max_tokens, and rejected slots are overwritten by later writes.
 
 The draft model's cache shares the target's block tables: the same block ids index a second
@@ -51,8 +52,9 @@ from jaxinfer.cache.paged import PagedKVCache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import head_drafting
 from jaxinfer.engine.buckets import pad_tokens
-from jaxinfer.engine.step import padded_shape
+from jaxinfer.engine.step import Penalties, padded_shape, penalty_inputs
 from jaxinfer.model.decoder import forward
+from jaxinfer.penalties import apply_penalties, history_counts, with_drafts
 from jaxinfer.sampling import SamplingBatch, probs, sample
 from jaxinfer.speculative.acceptance import (
     _leading_true,
@@ -125,6 +127,7 @@ def _verify(
     q: jax.Array | None,  # [Bd, G-1, V] draft distributions (rejection mode), or None
     q_row: jax.Array,  # [R] int32 row of q (-1: not drafting)
     gam: jax.Array,  # [R] int32 γ of each row (0: plain decode / prefill)
+    pen: Penalties | None = None,  # only for a batch with a penalized row
     *,
     cfg: ModelConfig,
     backend: str,
@@ -141,10 +144,17 @@ def _verify(
     )  # [N, V]
     r, g = rows.shape
     x = logits[rows.reshape(-1)]  # [R·G, V]
-    flat_sb = sb.take(jnp.repeat(jnp.arange(r), g))
+    finite = finite_rows(x.reshape(r, g, -1))  # [R]
+    flat = jnp.repeat(jnp.arange(r), g)  # [R·G] the sample row of each position
+    flat_sb = sb.take(flat)
+    live = jnp.arange(g - 1)[None, :] < gam[:, None]  # [R, G-1] drafted positions
+    if pen is not None:  # each position's history holds the drafts before it (`with_drafts`)
+        counts, seen = history_counts(pen.history, pen.num_prompt, x.shape[-1])  # [R, V]
+        counts, seen = with_drafts(counts, seen, draft, live)  # [R, G, V]
+        x = apply_penalties(x, pen.pb.take(flat), counts.reshape(r * g, -1),
+                            seen.reshape(r * g, -1))  # fmt: skip
     # The target's own token at every position: exactly what plain decoding samples there.
     target = sample(x, flat_sb, pos.reshape(-1), jnp.repeat(index, g)).reshape(r, g)
-    live = jnp.arange(g - 1)[None, :] < gam[:, None]  # [R, G-1] drafted positions
     n = _leading_true((draft == target[:, :-1]) & live) + 1  # [R]
     tokens = target
     if acceptance == "rejection" and q is not None:
@@ -162,7 +172,6 @@ def _verify(
             return jnp.where(use[:, None], rt, tokens), jnp.where(use, rn, n)
 
         tokens, n = jax.lax.cond(jnp.any(use), rejection, lambda: (tokens, n))
-    finite = finite_rows(x.reshape(r, g, -1))  # [R]
     return ((jnp.where(finite[:, None], tokens, -1), n), cache, *hidden)
 
 
@@ -313,10 +322,14 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
             q_row[r] = k_of[i]
     sps = [engine._live[seqs[i].request_id].sampling for i, _ in sample_rows]
     sb = SamplingBatch.from_params(sps, pad_to=b)
+    pen = None
+    if any(sp.penalized for sp in sps):  # histories up to each row's first verified position
+        states = [engine.scheduler.sequence(seqs[i].seq_id) for i, _ in sample_rows]
+        pen = penalty_inputs(engine.cfg.vocab_size, sps, states, pos[:, 0], b)
     engine.step_shapes[(t, b, m, g)] += 1
     heads = engine.draft_head is not None
     (tokens, n), engine.cache, *hidden = _verify(
-        engine.params, engine.cache, meta, rows, sb, pos, index, draft, q, q_row, gam,
+        engine.params, engine.cache, meta, rows, sb, pos, index, draft, q, q_row, gam, pen,
         cfg=engine.cfg, backend=cfg.backend, acceptance=spec.acceptance, return_hidden=heads,
     )  # fmt: skip
     if heads:

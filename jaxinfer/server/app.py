@@ -262,9 +262,6 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     stops = P.stop_strings(req)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
-    if srv.speculative and sp.penalized:
-        name = next(iter(sp.penalties))
-        raise P.APIError(400, f"{name}: not supported with speculative decoding", name)
     beyond = [t for t in sp.stop_token_ids if t >= vocab]
     if beyond:
         raise P.APIError(

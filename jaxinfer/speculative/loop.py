@@ -44,6 +44,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.ops.backend import resolve_backend, resolve_platform
+from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts, with_drafts
 from jaxinfer.requests import (
     GenerationOutput,
     new_tokens_bucket,
@@ -113,6 +114,25 @@ class SpecInputs:
     sb: SamplingBatch  # [B] rows
     stops: jax.Array  # [B, n_stop] int32, -1 padded
     max_tokens: jax.Array  # [B] int32 (0 for padding rows)
+    # With a penalized request only (None otherwise): its rows and each row's prompt length.
+    penalties: PenaltyBatch | None = None  # [B] rows
+    prompt_lens: jax.Array | None = None  # [B] int32
+
+
+def _penalized(logits: jax.Array, hist: jax.Array, upto: jax.Array, drafts, inputs: SpecInputs):
+    """`logits [B, G, V]` with each row's penalties: position j's history is the committed
+    tokens before `upto` (`hist [B, C]`) and `drafts [B, G-1]` 0..j-1 (`penalties.with_drafts`).
+    Without penalties, the logits as they are."""
+    if inputs.penalties is None:
+        return logits
+    b, g, v = logits.shape
+    h = jnp.where(jnp.arange(hist.shape[1])[None, :] < upto[:, None], hist, -1)  # [B, C]
+    counts, seen = history_counts(h, inputs.prompt_lens, v)  # [B, V]
+    counts, seen = with_drafts(counts, seen, drafts, jnp.ones(drafts.shape, jnp.bool_))
+    pb = inputs.penalties.take(jnp.repeat(jnp.arange(b), g))
+    x = apply_penalties(logits.reshape(b * g, v), pb, counts.reshape(b * g, v),
+                        seen.reshape(b * g, v))  # fmt: skip
+    return x.reshape(b, g, v)
 
 
 @jax.tree_util.register_dataclass
@@ -162,7 +182,8 @@ def _prefill(
     logits, tcache, hidden = forward(
         tparams, cfg, meta, tcache, backend=backend, return_hidden=True
     )  # [B, V], cache, [T, E]
-    first = sample(logits[:b], inputs.sb, prompt_lens)  # the token at position prompt_len
+    x = _penalized(logits[:b, None], hist, prompt_lens, jnp.zeros((b, 0), jnp.int32), inputs)
+    first = sample(x[:, 0], inputs.sb, prompt_lens)  # the token at position prompt_len
     dcache = None
     if head is not None:  # the head reads the prompt's features from this same forward
         dcache = head_prefill(
@@ -247,6 +268,7 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     dcache = state.dcache
     if plan.head is not None:  # the verified positions' features, from the same forward
         dcache = head_observe(dcache, hidden.reshape(b, g1, -1), state.cur)
+    logits = _penalized(logits, state.hist, state.cur + 1, draft_tokens, inputs)
     out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
 
     # Cut the commit at the first stop token and at max_tokens; finished rows commit nothing.
@@ -360,13 +382,6 @@ def prepare_run(
     sampling = validate_requests(cfg, prompts, sampling)
     limit = min(cfg.max_position_embeddings, (dcfg or head or cfg).max_position_embeddings)
     for i, (p, sp) in enumerate(zip(prompts, sampling)):
-        if sp.penalized:
-            raise ValueError(
-                f"sampling[{i}]: "
-                + ", ".join(f"{k}={v!r}" for k, v in sp.penalties.items())
-                + ": penalties and logit_bias are not supported by speculative decoding; "
-                "expected their neutral values (ji.generate and ji.Engine support them)"
-            )
         need = len(p) + sp.max_tokens + gamma + 1
         if need > limit:
             raise ValueError(
@@ -393,6 +408,9 @@ def prepare_run(
         stops=stop_table(cfg, sampling, b),
         max_tokens=batch.max_tokens,
     )
+    if any(sp.penalized for sp in sampling):
+        pb = PenaltyBatch.from_params(sampling, cfg.vocab_size, pad_to=b)
+        inputs = dataclasses.replace(inputs, penalties=pb, prompt_lens=batch.prompt_lens)
     platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
     backend = resolve_backend(backend, platform)
     plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max, head)

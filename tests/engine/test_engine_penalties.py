@@ -1,8 +1,9 @@
 """Penalties and logit bias in the engine: the same tokens as `ji.generate` under preemption,
-prefix caching and chunked prefill; forks penalized by their own histories; refused with
-speculation. The step's history is rebuilt from the scheduler's sequences each step, so these
-are the cases where it could go wrong: a recomputed (preempted) sequence, a prompt split over
-chunks, a prompt served from the prefix cache, the n samples of one request."""
+prefix caching and chunked prefill, with and without speculation; forks penalized by their own
+histories; rejection sampling exact against the penalized law. The step's history is rebuilt
+from the scheduler's sequences each step, so these are the cases where it could go wrong: a
+recomputed (preempted) sequence, a prompt split over chunks, a prompt served from the prefix
+cache, the n samples of one request, the drafts before a verified position."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import jaxinfer as ji
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts
 from jaxinfer.sampling import SamplingBatch, process_logits
+from tests.engine.test_spec_engine import _pvalue
 from tests.helpers import random_params
+from tests.test_penalties import reference_penalties
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
 S = 4
@@ -145,12 +148,103 @@ def test_logprobs_are_the_models_and_tokens_unchanged(params):
         assert chosen == pytest.approx(logp[pos - 1, seq[pos]], abs=1e-4)
 
 
-def test_speculation_refuses_penalties_by_name(params):
-    spec = SpeculativeConfig(drafter="ngram", num_speculative_tokens=2)
-    engine = Engine(CFG, params, dataclasses.replace(ECFG, speculative=spec))
-    with pytest.raises(ValueError, match=r"frequency_penalty=0\.5.*not supported with Engine"):
-        engine.add_request([1, 2, 3], ji.SamplingParams(frequency_penalty=0.5), request_id="a")
-    with pytest.raises(ValueError, match=r"logit_bias=\(\(3, 1\.0\),\).*not supported"):
-        ji.speculative.generate((CFG, params), "ngram", [[1, 2, 3]],
-                                ji.SamplingParams(logit_bias={3: 1.0}))  # fmt: skip
-    assert not engine.has_unfinished()
+# ---------------------------------------------------------------------------- speculation
+
+
+def _spec_ecfg(spec, budget):
+    return dataclasses.replace(
+        ECFG, speculative=spec, max_num_batched_tokens=max(16, budget),
+        long_prefill_threshold=budget,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "drafter, gamma, budget",
+    [("ngram", 1, 1), ("ngram", 3, 7), ("model", 3, 7), ("model", "auto", 64)],
+)
+def test_speculative_engine_matches_generate(params, drafter, gamma, budget):
+    """Greedy: each verified position is penalized by the history that includes the drafts
+    before it, so the committed tokens are plain penalized decoding's."""
+    sps = _settings(0.0)
+    ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
+    # The target itself as the draft model: it drafts without penalties, so it is right often
+    # enough that positions after accepted drafts are verified.
+    dm = (CFG, params) if drafter == "model" else "ngram"
+    spec = SpeculativeConfig(drafter=dm, num_speculative_tokens=gamma,
+                             max_gamma=3 if gamma == "auto" else None)  # fmt: skip
+    engine = Engine(CFG, params, _spec_ecfg(spec, budget))
+    outs = engine.generate(PROMPTS, sps)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.token_ids == r.token_ids, f"request {i}"
+    assert engine.spec_counters.accepted > 0 and engine.num_preemptions > 0
+    assert engine.allocator.num_used_blocks == 0
+
+
+def test_speculative_coupled_sampling_matches_generate(params):
+    sps = _settings(0.8)
+    ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
+    spec = SpeculativeConfig(drafter=(CFG, params), num_speculative_tokens=2, acceptance="coupled")
+    engine = Engine(CFG, params, _spec_ecfg(spec, 7))
+    outs = engine.generate(PROMPTS, sps)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert engine.spec_counters.accepted > 0
+
+
+TINY = ji.preset("tiny-llama").replace(vocab_size=8, eos_token_id=None)
+SIGNIFICANCE = 1e-3
+
+
+def _penalized_joint(params, prompt, sp) -> np.ndarray:
+    """The declared law `[V, V]` of the first two tokens with `sp`'s penalties (exact)."""
+    v = TINY.vocab_size
+    seqs = np.array([prompt + [a] for a in range(v)], np.int32)  # [V, P+1]
+    logits = np.asarray(ji.score(TINY, params, seqs), np.float64)
+
+    def law(row, out):
+        x = reference_penalties(row, prompt, out, sp) / sp.temperature
+        p = np.exp(x - x.max())
+        return p / p.sum()
+
+    first = law(logits[0, -2], [])
+    return np.stack([first[a] * law(logits[a, -1], [a]) for a in range(v)])
+
+
+def test_speculative_rejection_sampling_with_penalties_chi_square():
+    """2000 seeds, γ = 1: the committed (t1, t2) follow the penalized joint law (t2 is the
+    cycle's commit), and fail the unpenalized one (the negative control)."""
+    tparams = random_params(TINY, seed=1, std=0.6)
+    dparams = random_params(TINY, seed=2, std=0.6)
+    prompt, num = [1, 2, 3, 4, 5], 2000
+    sp0 = ji.SamplingParams(temperature=1.0, max_tokens=3, frequency_penalty=2.0,
+                            presence_penalty=1.0, repetition_penalty=1.5)  # fmt: skip
+    spec = SpeculativeConfig(drafter=(TINY, dparams), num_speculative_tokens=1)
+    engine = Engine(
+        TINY, tparams,
+        EngineConfig(
+            block_size=4, num_blocks=256, max_num_seqs=64, max_num_batched_tokens=128,
+            min_token_bucket=128, min_block_bucket=4, min_seq_bucket=64, speculative=spec,
+        ),
+    )  # fmt: skip
+    outs = engine.generate([prompt] * num, [dataclasses.replace(sp0, seed=s) for s in range(num)])
+    counts = np.zeros((8, 8), np.int64)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    neutral = dataclasses.replace(sp0, frequency_penalty=0, presence_penalty=0,
+                                  repetition_penalty=1)  # fmt: skip
+    assert _pvalue(counts, _penalized_joint(tparams, prompt, sp0)) > SIGNIFICANCE
+    assert _pvalue(counts, _penalized_joint(tparams, prompt, neutral)) < SIGNIFICANCE
+    assert 0 < engine.spec_counters.accepted < engine.spec_counters.proposed
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_standalone_speculative_loop_matches_generate(params, drafter):
+    """`ji.speculative.generate`: greedy and coupled sampling with penalties commit plain
+    penalized decoding's tokens (its cycle penalizes position j by the drafts before it)."""
+    dm = (CFG, params) if drafter == "model" else "ngram"
+    for temperature, acceptance in ((0.0, "rejection"), (0.8, "coupled")):
+        sps = _settings(temperature)
+        ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
+        outs = ji.speculative.generate((CFG, params), dm, PROMPTS, sps, gamma=3,
+                                       acceptance=acceptance, backend="reference")  # fmt: skip
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], temperature
+        assert sum(o.num_accepted for o in outs) > 0

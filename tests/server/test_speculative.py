@@ -125,7 +125,7 @@ def test_greedy_text_equals_generate_and_metrics_equal_engine_counters(model, sp
         assert r["completion_tokens"] == 20 or r["finish_reason"] == "stop"
 
 
-def test_logprobs_and_penalties_refused_with_speculation(spec_server, spec_client):
+def test_logprobs_refused_with_speculation(spec_server, spec_client):
     for kw in ({"logprobs": 2}, {"echo": True, "logprobs": 0}):
         with pytest.raises(openai.BadRequestError) as e:
             spec_client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
@@ -135,13 +135,25 @@ def test_logprobs_and_penalties_refused_with_speculation(spec_server, spec_clien
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True
         )
     assert e.value.body["param"] == "logprobs"
-    for kw in ({"presence_penalty": 0.5}, {"logit_bias": {"3": 1.0}},
-               {"extra_body": {"repetition_penalty": 1.2}}):  # fmt: skip
-        with pytest.raises(openai.BadRequestError) as e:
-            spec_client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
-        name = next(iter(kw.get("extra_body", kw)))
-        assert e.value.body["param"] == name and "speculative" in e.value.body["message"]
     served(spec_client)
+
+
+def test_penalties_with_speculation_equal_generate(model, spec_server, spec_client):
+    """Each verified position is penalized by the history that includes the drafts before it:
+    greedy text as ji.generate's with the same penalties (and not the unpenalized text)."""
+    cfg, params, tok = model
+    prompt = "ab ab ab ab ab ab ab ab"  # repetitive: the n-gram drafter drafts and lands
+    ids = tok.encode(prompt).ids
+    plain = ji.generate(cfg, params, [ids], ji.SamplingParams(temperature=0, max_tokens=20))
+    before = spec_server.engine.call(lambda eng: eng.spec_counters.accepted).result()
+    for kw in ({"presence_penalty": 0.4}, {"extra_body": {"repetition_penalty": 1.1}}):
+        r = spec_client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                           temperature=0, **kw)  # fmt: skip
+        sp = ji.SamplingParams(temperature=0, max_tokens=20, **kw.get("extra_body", kw))
+        want = ji.generate(cfg, params, [ids], sp)[0].token_ids
+        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True), kw
+        assert want != plain[0].token_ids, kw  # the setting changes this output
+    assert spec_server.engine.call(lambda eng: eng.spec_counters.accepted).result() > before
 
 
 def test_no_speculative_metrics_without_speculation(server):
