@@ -213,7 +213,7 @@ class DecodeSide:
             self.connector.request_finished(rid)
             del self._loading[rid]
             sp = SamplingParams(**{**info.sampling, "max_tokens": info.sampling["max_tokens"] - 1})
-            self.engine.add_request([*info.prompt, info.first_token], sp, rid)
+            self.engine.add_request([*info.prompt, info.first_token], sp, rid, num_generated=1)
             # The hold ends here: the blocks stay in the prefix cache, most recently used, so
             # the request's admission (normally the next decode step) finds them. Keeping the
             # hold until then could deadlock a small pool: held blocks of requests queued

@@ -160,7 +160,9 @@ class Engine:
 
     # ------------------------------------------------------------------------ requests
 
-    def _check(self, prompt, sp: SamplingParams, request_id: Hashable, index: int) -> None:
+    def _check(
+        self, prompt, sp: SamplingParams, request_id: Hashable, index: int, num_generated: int = 0
+    ) -> None:
         """Raises ValueError if the request is malformed or could never be scheduled."""
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling[{index}] is {type(sp).__name__}, expected SamplingParams")
@@ -176,7 +178,9 @@ class Engine:
             # Model limits (vocabulary, positions) as ji.generate checks them; n is ours.
             validate_requests(self.cfg, [prompt], [dataclasses.replace(sp, n=1)])
             # Pool, rows and budget, by the scheduler's own admission checks.
-            self._probe.add_request(Request(probe_id, token_list(prompt), sp))
+            self._probe.add_request(
+                Request(probe_id, token_list(prompt), sp, num_generated=num_generated)
+            )
         except ValueError as e:
             raise ValueError(f"request {index} ({request_id!r}): {e}") from None
         finally:
@@ -188,6 +192,8 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: Hashable | None = None,
         arrival_time: float | None = None,
+        *,
+        num_generated: int = 0,
     ) -> Hashable:
         """Queues a request; it is scheduled by the coming `step()` calls.
 
@@ -197,6 +203,8 @@ class Engine:
           request_id: a hashable id never used before in this engine; None: a fresh one
             ("req-<k>"), never one used before, chosen or automatic.
           arrival_time: its arrival in the metrics clock; None: now.
+          num_generated: how many of the prompt's last tokens this request generated before (a
+            disaggregated decode side continues a request): penalties count them as output.
 
         Returns:
           The request id.
@@ -222,8 +230,8 @@ class Engine:
                     "(seconds in the metrics clock)"
                 )
             arrival_time = t
-        self._check(prompt, sp, rid, 0)
-        self._enqueue(prompt, sp, rid, arrival_time)
+        self._check(prompt, sp, rid, 0, num_generated)
+        self._enqueue(prompt, sp, rid, arrival_time, num_generated)
         return rid
 
     def _auto_id(self, make: Callable[[int], Hashable]) -> Hashable:
@@ -233,12 +241,14 @@ class Engine:
             if rid not in self.metrics_collector.requests:
                 return rid
 
-    def _enqueue(self, prompt, sp: SamplingParams, rid: Hashable, arrival_time) -> None:
+    def _enqueue(
+        self, prompt, sp: SamplingParams, rid: Hashable, arrival_time, num_generated: int = 0
+    ) -> None:
         prompt = token_list(prompt)
         sched_sp = dataclasses.replace(sp, stop_token_ids=stop_ids(self.cfg, sp))
         self.metrics_collector.on_arrival(rid, len(prompt), arrival_time)
         arrival = self.metrics_collector.requests[rid].arrival_time
-        seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival))
+        seq_ids = self.scheduler.add_request(Request(rid, prompt, sched_sp, arrival, num_generated))
         for j, sid in enumerate(seq_ids):
             self._sample_index[sid] = j
             self._rid_of[sid] = rid

@@ -49,6 +49,10 @@ class Request:
     prompt_token_ids: list[int]  # [P]
     sampling_params: Any
     arrival_time: float = 0.0
+    # The last `num_generated` prompt tokens were generated earlier for this request (a
+    # disaggregated decode side continues what the prefill side sampled): penalties count them
+    # as output. Everything else treats them as prompt.
+    num_generated: int = 0
 
     def __post_init__(self):
         rid = self.request_id
@@ -91,6 +95,13 @@ class Request:
             raise ValueError(
                 f"request {rid!r}: n must be an int in [1, 2**31 - 1], got {getattr(sp, 'n', 1)!r}"
             )
+        g = as_int(self.num_generated)
+        if g is None or not 0 <= g < len(ids):
+            raise ValueError(
+                f"request {rid!r}: num_generated must be an int in [0, {len(ids) - 1}] (fewer "
+                f"than the prompt's {len(ids)} tokens), got {self.num_generated!r}"
+            )
+        self.num_generated = g
         stop = () if sp.stop_token_ids is None else tuple(sp.stop_token_ids)
         if not all(as_int(t) is not None for t in stop):
             raise ValueError(f"request {rid!r}: stop_token_ids must be ints, got {stop!r}")

@@ -17,8 +17,9 @@ A step with speculation (`EngineConfig.speculative`):
    the Gumbel noise of `ji.generate` — the coupled mode, `acceptance._match_target`), or exact
    rejection sampling (`acceptance._rejection_sample_with_noise`) for sampled rows in "rejection"
    mode. Penalties and the logit bias act on every verified position, with the drafts before
-   it counted in its history (`penalties.with_drafts`). Each request commits 1..γ+1 tokens; `Scheduler.update` cuts them at stop tokens and
-   max_tokens, and rejected slots are overwritten by later writes.
+   it counted in its history (`penalties.with_drafts`). Each request commits 1..γ+1 tokens;
+   `Scheduler.update` cuts them at stop tokens and max_tokens, and rejected slots are
+   overwritten by later writes.
 
 The draft model's cache shares the target's block tables: the same block ids index a second
 cache array of the draft's shape. Allocation, prefix caching, copy-on-write, preemption and the

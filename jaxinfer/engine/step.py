@@ -218,5 +218,5 @@ def penalty_inputs(vocab_size: int, sps, seq_states, pos: np.ndarray, b: int) ->
     num_prompt = np.zeros(b, np.int32)
     for r, seq in enumerate(seq_states):
         history[r, : pos[r]] = seq.token_ids[: pos[r]]
-        num_prompt[r] = seq.num_prompt_tokens
+        num_prompt[r] = seq.num_prompt_tokens - seq.request.num_generated
     return Penalties(PenaltyBatch.from_params(sps, vocab_size, pad_to=b), history, num_prompt)

@@ -57,6 +57,19 @@ SAMPLING = {
         ji.SamplingParams(temperature=0.9, top_k=20, seed=50 + i, max_tokens=MAX_TOKENS)
         for i in range(len(PROMPTS))
     ],
+    # The decode side penalizes by a history whose prompt and first token came from the prefill.
+    "penalized": [
+        ji.SamplingParams(
+            temperature=0.9,
+            top_k=20,
+            seed=50 + i,
+            max_tokens=MAX_TOKENS,
+            repetition_penalty=1.5,
+            presence_penalty=1.0,
+            logit_bias={3: 2.0},
+        )
+        for i in range(len(PROMPTS))
+    ],  # fmt: skip
 }
 
 
@@ -99,7 +112,7 @@ def _run(d: Disaggregated, sps, preempt_prefill=False) -> list[list[int]]:
     return [tokens[r] for r in rids]
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalized"])
 def test_tokens_equal_colocated(kind):
     d = _disagg()
     got = _run(d, SAMPLING[kind], preempt_prefill=True)
@@ -128,6 +141,7 @@ def test_tokens_equal_colocated(kind):
 
 def test_seeded_is_not_greedy():
     assert _colocated("seeded") != _colocated("greedy")
+    assert _colocated("penalized") != _colocated("seeded")
 
 
 def test_ttft_parts_sum_to_ttft():

@@ -2,7 +2,7 @@
 
 from tests.distributed._child import run_cases
 
-EXPECTED = 6  # cases in _disagg_cases.py
+EXPECTED = 7  # cases in _disagg_cases.py
 
 
 def test_disaggregated_cases_on_4_fake_devices():

@@ -248,3 +248,30 @@ def test_standalone_speculative_loop_matches_generate(params, drafter):
                                        acceptance=acceptance, backend="reference")  # fmt: skip
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref], temperature
         assert sum(o.num_accepted for o in outs) > 0
+
+
+def test_num_generated_continues_a_request(params):
+    """A request resumed from its prompt plus its first k tokens (`num_generated=k`, as the
+    disaggregated decode side does) continues exactly as the request run whole: penalties count
+    those k tokens as output, not prompt."""
+    sp = ji.SamplingParams(temperature=0.7, seed=9, max_tokens=10, frequency_penalty=2.0,
+                           presence_penalty=1.0)  # fmt: skip
+    whole = ji.generate(CFG, params, [PROMPTS[3]], sp, backend="reference")[0].token_ids
+    engine = Engine(CFG, params, ECFG)
+    for k in (1, 3):
+        rid = engine.add_request(PROMPTS[3] + whole[:k], dataclasses.replace(sp, max_tokens=10 - k),
+                                 num_generated=k)  # fmt: skip
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert out == whole[k:], k
+    # As prompt (num_generated=0) the same tokens are penalized differently.
+    rid = engine.add_request(PROMPTS[3] + whole[:3], dataclasses.replace(sp, max_tokens=7))
+    out = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    assert out != whole[3:]
+    for bad in (-1, len(PROMPTS[3]), 1.0):
+        with pytest.raises(ValueError, match="num_generated must be an int"):
+            engine.add_request(PROMPTS[3], sp, num_generated=bad)
+    assert not engine.has_unfinished()
