@@ -56,6 +56,11 @@ SEEDED = [
     ji.SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=MAX_TOKENS)
     for i in range(len(PROMPTS))
 ]
+PENALIZED = [  # the penalties' history arrays reach the sharded step replicated
+    dataclasses.replace(sp, repetition_penalty=1.5, frequency_penalty=1.0, logit_bias={5: 3.0})
+    for sp in SEEDED
+]
+KINDS = {"greedy": GREEDY, "seeded": SEEDED, "penalized": PENALIZED}
 
 
 @functools.cache
@@ -71,19 +76,20 @@ def _serve(mesh, sps):
 
 @functools.cache
 def _reference(kind: str):
-    engine, tokens = _serve(None, GREEDY if kind == "greedy" else SEEDED)
+    engine, tokens = _serve(None, KINDS[kind])
     assert engine.mesh is None and len(engine.cache.k.sharding.device_set) == 1
     return engine.num_preemptions, engine.allocator.prefix_cache_hits, tokens
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize(
+    "degree, kind", [(2, "greedy"), (4, "greedy"), (2, "seeded"), (4, "seeded"), (4, "penalized")]
+)
 def test_engine_on_mesh_matches_one_device(degree, kind):
     preemptions, hits, want = _reference(kind)
     assert preemptions > 0 and hits > 0  # the workload exercises both
     assert all(len(t) == MAX_TOKENS for t in want)
     mesh = jax.make_mesh((degree,), ("tp",))  # a plain user mesh: the engine re-lays it out
-    engine, got = _serve(mesh, GREEDY if kind == "greedy" else SEEDED)
+    engine, got = _serve(mesh, KINDS[kind])
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}"
     assert engine.num_preemptions > 0 and engine.allocator.prefix_cache_hits > 0
@@ -99,6 +105,7 @@ def test_engine_on_mesh_matches_one_device(degree, kind):
 def test_seeded_differs_from_greedy():
     # A negative control: the seeded workload is not the greedy one in disguise.
     assert _reference("seeded")[2] != _reference("greedy")[2]
+    assert _reference("penalized")[2] != _reference("seeded")[2]
 
 
 def test_presharded_params_keep_their_mesh():
