@@ -50,8 +50,10 @@ _NEW_TOKENS = flags.DEFINE_integer(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median reported).", lower_bound=1)
 _SYSTEMS = flags.DEFINE_list(
-    "systems", ["jaxinfer", "transformers", "llamacpp"], "Systems to time (when installed)."
-)
+    "systems", ["jaxinfer", "transformers", "llamacpp"],
+    "Systems to time (when installed); 'jaxinfer-penalties': ji.generate with a repetition and "
+    "a frequency penalty (what penalties cost a step).",
+)  # fmt: skip
 _FORMATS = flags.DEFINE_list(
     "formats",
     ["float32", "bfloat16", "w8a16-rtn", "w4a16-rtn-g64", "w4a16-rtn-g32", "gguf-as-stored"],
@@ -62,7 +64,7 @@ _FORMAT_TOKENS = flags.DEFINE_integer(
 )
 _GEMV_MIB = flags.DEFINE_integer("gemv_mib", 256, "float32 GEMV matrix size (MiB).", lower_bound=1)
 flag_checks.int_list(_BATCH_SIZES, min_value=1)
-flag_checks.choice_list(_SYSTEMS, ("jaxinfer", "transformers", "llamacpp"))
+flag_checks.choice_list(_SYSTEMS, ("jaxinfer", "jaxinfer-penalties", "transformers", "llamacpp"))
 FORMATS = ("float32", "bfloat16", "w8a16-rtn", "w4a16-rtn-g64", "w4a16-rtn-g32", "gguf-as-stored")
 flag_checks.choice_list(_FORMATS, FORMATS, allow_empty=True)
 
@@ -100,13 +102,13 @@ def gemv_bandwidth(mib: int, repeats: int = 9) -> dict:
 
 
 class JaxinferSystem:
-    name = "jaxinfer"
-
-    def __init__(self, cfg, params):
+    def __init__(self, cfg, params, penalties: bool = False):
         self.cfg, self.params = cfg, params
+        self.name = "jaxinfer-penalties" if penalties else "jaxinfer"
+        self.penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5) if penalties else {}
 
     def run(self, prompts: np.ndarray, n_new: int) -> None:
-        sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+        sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, **self.penalties)
         ji.generate(self.cfg, self.params, prompts.tolist(), sp)
 
 
@@ -267,9 +269,11 @@ def main(argv):
     systems, notes = [], []
     if "jaxinfer" in _SYSTEMS.value:
         systems.append(JaxinferSystem(cfg, params))
+    if "jaxinfer-penalties" in _SYSTEMS.value:
+        systems.append(JaxinferSystem(cfg, params, penalties=True))
     if "transformers" in _SYSTEMS.value:
         systems.append(TransformersSystem(path))
-    nbytes = {"jaxinfer": f32_bytes, "transformers": f32_bytes}
+    nbytes = {"jaxinfer": f32_bytes, "jaxinfer-penalties": f32_bytes, "transformers": f32_bytes}
     if "llamacpp" in _SYSTEMS.value:
         if not _llamacpp_available():
             notes.append("llama.cpp: xllamacpp is not installed (pip install xllamacpp)")
