@@ -3,6 +3,7 @@ r"""Generates a completion of one prompt with a Hugging Face checkpoint director
     python -m experiments.generate --model=/path/to/hf_dir --prompt="def fib(n):" --max_tokens=64
     python -m experiments.generate --prompt="import os" --temperature=0.8 --top_p=0.95
     python -m experiments.generate --model=smollm2-135m --repetition_penalty=1.2
+    python -m experiments.generate --model=smollm2-135m --min_tokens=48
 
 Without --model it uses the shipped target model (jaxinfer.models.path("target")).
 Prints the text, the token ids, tokens/s and the achieved weight bandwidth (GB/s: the weights
@@ -31,6 +32,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0)
 _REPETITION = flags.DEFINE_float("repetition_penalty", 1.0, "1 = off; in [0.01, 100].")
 _FREQUENCY = flags.DEFINE_float("frequency_penalty", 0.0, "0 = off; in [-2, 2].")
 _PRESENCE = flags.DEFINE_float("presence_penalty", 0.0, "0 = off; in [-2, 2].")
+_MIN_TOKENS = flags.DEFINE_integer(
+    "min_tokens", 0, "No eos or stop token before this many tokens; 0 = off.", lower_bound=0
+)
 _BACKEND = flags.DEFINE_enum("backend", "auto", ji.ops.BACKENDS, "Attention backend.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional: write config.json, results.json here.")
 _CONFIG = common.config_flag()
@@ -40,6 +44,10 @@ flag_checks.number(_MIN_P, min_value=0.0, max_value=1.0)
 flag_checks.number(_REPETITION, min_value=0.01, max_value=100.0)
 flag_checks.number(_FREQUENCY, min_value=-2.0, max_value=2.0)
 flag_checks.number(_PRESENCE, min_value=-2.0, max_value=2.0)
+flags.register_multi_flags_validator(
+    ["min_tokens", "max_tokens"], lambda f: f["min_tokens"] <= f["max_tokens"],
+    message="--min_tokens must be <= --max_tokens",
+)  # fmt: skip
 
 
 def main(argv):
@@ -57,7 +65,7 @@ def main(argv):
         temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
         min_p=_MIN_P.value, max_tokens=_MAX_TOKENS.value, seed=_SEED.value,
         repetition_penalty=_REPETITION.value, frequency_penalty=_FREQUENCY.value,
-        presence_penalty=_PRESENCE.value,
+        presence_penalty=_PRESENCE.value, min_tokens=_MIN_TOKENS.value,
     )  # fmt: skip
     t0 = time.perf_counter()
     out = ji.generate(cfg, params, [ids], sp, backend=_BACKEND.value)[0]

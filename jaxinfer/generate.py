@@ -172,7 +172,7 @@ def _penalty_inputs(cfg, prompts, sampling, b: int):
     ids = np.full((b, bucket(max(len(p) for p in prompts))), -1, np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = token_list(p)
-    return PenaltyBatch.from_params(sampling, cfg.vocab_size, pad_to=b), ids
+    return PenaltyBatch.from_params(sampling, cfg, pad_to=b), ids
 
 
 def generate(

@@ -1,15 +1,19 @@
-"""Repetition, frequency and presence penalties and the logit bias, as a pure function of the
-logits and each row's token history.
+"""Repetition, frequency and presence penalties, the logit bias and the token masks
+(`allowed_token_ids`, `min_tokens`), as a pure function of the logits and each row's history.
 
     x = logits + bias                                   # logit_bias (OpenAI)
     x = where(seen, where(x > 0, x / r, x * r), x)      # repetition_penalty r, prompt + output
     x = x - f * counts - p * (counts > 0)               # frequency f, presence p: output only
+    x = where(allowed, x, -inf)                         # allowed_token_ids (vLLM)
+    x = where(stop & (sum(counts) < min_tokens), -inf, x)   # min_tokens (vLLM)
 
 `seen [B, V]` marks the tokens of a row's prompt and output, `counts [B, V]` counts those of its
 output: the rules of vLLM's sampler (transformers' `RepetitionPenaltyLogitsProcessor` is the same
-repetition rule over its `input_ids`). The result is what `sampling.sample` receives, so
-temperature, top-k, top-p and min-p act on penalized logits and greedy rows take the penalized
-argmax; logprobs stay those of the model.
+repetition rule over its `input_ids`). `stop` marks a row's stop tokens (its `stop_token_ids` and
+the model's eos unless `ignore_eos`), so a row cannot stop before it generated `min_tokens`
+tokens; the count is the output's length, drafts before a verified position included. The
+result is what `sampling.sample` receives, so temperature, top-k, top-p and min-p act on
+penalized logits and greedy rows take the penalized argmax; logprobs stay those of the model.
 
 Two ways to get the history on the device: `ji.generate` carries `(counts, seen)` through its
 decode loop and adds each sampled token (`add_tokens`); the engine sends each sampled row's
@@ -28,35 +32,58 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.config import ModelConfig
 from jaxinfer.sampling import SamplingParams
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PenaltyBatch:
-    """Per-row penalty settings as device arrays (padding rows: no penalty, no bias)."""
+    """Per-row penalty settings as device arrays (padding rows: no penalty, no bias, no mask)."""
 
     presence: jax.Array  # [B] float32
     frequency: jax.Array  # [B] float32
     repetition: jax.Array  # [B] float32 (1 = off)
     bias_ids: jax.Array  # [B, K] int32 token ids; padding entries hold V (dropped)
     bias: jax.Array  # [B, K] float32
+    min_tokens: jax.Array  # [B] int32 (0 = off)
+    stop_ids: jax.Array  # [B, S] int32 stop tokens barred before min_tokens; V: padding
+    restrict: jax.Array  # [B] bool: only allowed_ids may be sampled
+    allowed_ids: jax.Array  # [B, A] int32; V: padding
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], vocab_size: int, pad_to: int | None = None
+        cls,
+        params: Sequence[SamplingParams],
+        cfg: ModelConfig,
+        pad_to: int | None = None,
     ) -> PenaltyBatch:
-        """Stacks per-request settings; K is the longest logit_bias bucketed to a power of two.
+        """Stacks per-request settings; K, S and A are the longest row's, bucketed to powers of
+        two. The model's `cfg` gives the vocabulary and its eos (a stop token of every row
+        without `ignore_eos`).
 
-        Token ids of `logit_bias` must lie in the vocabulary (`validate_requests` checks it).
+        Token ids must lie in the vocabulary (`validate_requests` checks them).
         """
         b = max(len(params), pad_to or 0)
-        k = bucket(max((len(sp.logit_bias) for sp in params), default=0), 1)
-        ids = np.full((b, k), vocab_size, np.int32)
-        bias = np.zeros((b, k), np.float32)
+        vocab_size, eos_token_id = cfg.vocab_size, cfg.eos_token_id
+
+        def table(rows: list) -> np.ndarray:  # ragged id lists -> [b, width] padded with V
+            out = np.full((b, bucket(max(map(len, rows), default=0), 1)), vocab_size, np.int32)
+            for r, ids in enumerate(rows):
+                out[r, : len(ids)] = ids
+            return out
+
+        ids = table([sp.logit_bias_arrays[0] for sp in params])
+        bias = np.zeros(ids.shape, np.float32)
         for r, sp in enumerate(params):
-            row_ids, row_bias = sp.logit_bias_arrays
-            ids[r, : len(row_ids)], bias[r, : len(row_ids)] = row_ids, row_bias
+            bias[r, : len(sp.logit_bias)] = sp.logit_bias_arrays[1]
+
+        def barred(sp: SamplingParams) -> list[int]:  # the stop tokens min_tokens holds back
+            if not sp.min_tokens:
+                return []
+            eos = () if sp.ignore_eos or eos_token_id is None else (eos_token_id,)
+            return sorted(set(sp.stop_token_ids).union(eos))
+
         pad = [0.0] * (b - len(params))
         return cls(
             presence=np.array([sp.presence_penalty for sp in params] + pad, np.float32),
@@ -66,6 +93,12 @@ class PenaltyBatch:
             ),  # fmt: skip
             bias_ids=ids,
             bias=bias,
+            min_tokens=np.array([sp.min_tokens for sp in params] + [0] * len(pad), np.int32),
+            stop_ids=table([barred(sp) for sp in params]),
+            restrict=np.array(
+                [sp.allowed_token_ids is not None for sp in params] + [False] * len(pad)
+            ),  # fmt: skip
+            allowed_ids=table([sp.allowed_token_ids or () for sp in params]),
         )
 
     def take(self, idx: jax.Array) -> PenaltyBatch:
@@ -133,7 +166,7 @@ def with_drafts(
 def apply_penalties(
     logits: jax.Array, pb: PenaltyBatch, counts: jax.Array, seen: jax.Array
 ) -> jax.Array:
-    """The penalized logits `[B, V]` float32 (see the module docstring for the rule).
+    """The penalized and masked logits `[B, V]` float32 (the rule: the module docstring).
 
     Args:
       logits: `[B, V]` the model's logits.
@@ -141,11 +174,52 @@ def apply_penalties(
       counts: `[B, V]` int32 occurrences of each token in a row's output.
       seen: `[B, V]` bool tokens of a row's prompt or output.
     """
-    b = logits.shape[0]
     x = jnp.asarray(logits, jnp.float32)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], pb.bias_ids.shape)  # [B, K]
-    x = x.at[rows, pb.bias_ids].add(pb.bias, mode="drop")
+    x = x.at[_rows(pb.bias_ids), pb.bias_ids].add(pb.bias, mode="drop")
     r = pb.repetition[:, None]  # [B, 1]
     x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
     c = counts.astype(jnp.float32)
-    return x - pb.frequency[:, None] * c - pb.presence[:, None] * (c > 0)
+    x = x - pb.frequency[:, None] * c - pb.presence[:, None] * (c > 0)
+    allowed = _mask(pb.allowed_ids, x.shape)  # [B, V]
+    x = jnp.where(pb.restrict[:, None] & ~allowed, -jnp.inf, x)
+    early = jnp.sum(counts, axis=-1) < pb.min_tokens  # [B] fewer outputs than min_tokens
+    return jnp.where(early[:, None] & _mask(pb.stop_ids, x.shape), -jnp.inf, x)
+
+
+def apply_at_drafts(
+    logits: jax.Array,
+    pb: PenaltyBatch,
+    counts: jax.Array,
+    seen: jax.Array,
+    draft: jax.Array,
+    live: jax.Array,
+) -> jax.Array:
+    """`apply_penalties` at the G = γ + 1 positions a speculative step verifies.
+
+    Args:
+      logits: `[R, G, V]` each row's logits at its verified positions.
+      pb: `[R]` rows of settings.
+      counts: `[R, V]` int32 and seen `[R, V]` bool of each row's committed history.
+      draft: `[R, G-1]` int32 drafted tokens; live `[R, G-1]` bool which of them exist.
+
+    Returns:
+      `[R, G, V]` float32: position j penalized by the history plus drafts 0..j-1 (`with_drafts`).
+    """
+    r, g, v = logits.shape
+    counts, seen = with_drafts(counts, seen, draft, live)  # [R, G, V]
+    flat = (r * g, v)
+    x = apply_penalties(
+        logits.reshape(flat), pb.take(jnp.repeat(jnp.arange(r), g)),
+        counts.reshape(flat), seen.reshape(flat),
+    )  # fmt: skip
+    return x.reshape(r, g, v)
+
+
+def _rows(ids: jax.Array) -> jax.Array:
+    """The row index of every entry of `ids [B, K]`."""
+    return jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+
+
+def _mask(ids: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """`[B, V]` bool, True at each row's `ids [B, K]` (entries V: padding, dropped)."""
+    return jnp.zeros(shape, jnp.bool_).at[_rows(ids), ids].set(True, mode="drop")

@@ -85,7 +85,8 @@ def validate_requests(
     """Checks prompts and sampling params; returns one SamplingParams per prompt.
 
     Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
-    vocabulary, a stop token id or logit_bias id outside the vocabulary, prompt + max_tokens beyond
+    vocabulary, a stop token, logit_bias or allowed token id outside the vocabulary, min_tokens
+    with only stop tokens allowed, prompt + max_tokens beyond
     max_position_embeddings, a sampling list of the wrong length, n != 1. A prompt is a list,
     tuple, numpy or jax array of integer token ids.
     """
@@ -116,18 +117,7 @@ def validate_requests(
                 f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, "
                 f"{cfg.vocab_size})"
             )
-        bad_stops = [t for t in sp.stop_token_ids if t >= cfg.vocab_size]
-        if bad_stops:
-            raise ValueError(
-                f"sampling[{i}].stop_token_ids has {bad_stops[0]}, outside the vocabulary "
-                f"[0, {cfg.vocab_size}): the model can never emit it"
-            )
-        bad_bias = [t for t, _ in sp.logit_bias if t >= cfg.vocab_size]
-        if bad_bias:
-            raise ValueError(
-                f"sampling[{i}].logit_bias has token id {bad_bias[0]}, outside the vocabulary "
-                f"[0, {cfg.vocab_size})"
-            )
+        check_sampling(cfg, sp, f"sampling[{i}].")
         if len(p) + sp.max_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i}: length {len(p)} + max_tokens {sp.max_tokens} = "
@@ -156,6 +146,40 @@ def check_pad_to(pad_to: Mapping[str, int] | None) -> dict[str, int]:
             raise ValueError(f"pad_to[{key!r}]={value!r} is invalid: expected an int >= 1")
         pad_to[key] = v
     return pad_to
+
+
+class SamplingError(ValueError):
+    """A SamplingParams the model cannot serve; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_sampling(cfg: ModelConfig, sp: SamplingParams, where: str = "") -> None:
+    """The checks of one SamplingParams that need the model (its vocabulary and eos).
+
+    Raises SamplingError (a ValueError) naming `{where}{field}`: a stop token, logit_bias or
+    allowed token id outside the vocabulary, or min_tokens with only stop tokens allowed.
+    """
+    v = cfg.vocab_size
+    for field, ids in (
+        ("stop_token_ids", sp.stop_token_ids),
+        ("logit_bias", [t for t, _ in sp.logit_bias]),
+        ("allowed_token_ids", sp.allowed_token_ids or ()),
+    ):
+        beyond = [t for t in ids if t >= v]
+        if beyond:
+            raise SamplingError(
+                field, f"{where}{field} has token id {beyond[0]}, outside the vocabulary [0, {v})"
+            )
+    if sp.min_tokens and sp.allowed_token_ids is not None:
+        if set(sp.allowed_token_ids) <= set(stop_ids(cfg, sp)):
+            raise SamplingError(
+                "allowed_token_ids",
+                f"{where}allowed_token_ids {list(sp.allowed_token_ids)} are all stop tokens, so "
+                f"nothing may be sampled before min_tokens={sp.min_tokens}",
+            )
 
 
 # ------------------------------------------------------------------------------ stop rules

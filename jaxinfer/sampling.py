@@ -55,9 +55,15 @@ class SamplingParams:
         [0.01, 100] (float32 logits stay finite); 1 turns it off.
       logit_bias: `{token id: bias}` (or `(id, bias)` pairs) added to the logits, each bias in
         [-100, 100] (OpenAI's range); stored as pairs sorted by id.
+      min_tokens: the stop tokens (`stop_token_ids` and the model's eos unless `ignore_eos`)
+        cannot be sampled before this many tokens were generated (vLLM's `min_tokens`); at most
+        max_tokens; 0 turns it off.
+      allowed_token_ids: None, or the only token ids that may be sampled (vLLM's
+        `allowed_token_ids`); a non-empty set, stored sorted.
 
-    The penalties and the bias act on the logits before temperature (`jaxinfer.penalties`), in
-    vLLM's order: bias, repetition, frequency and presence. They change greedy rows too.
+    The penalties, the bias and the two masks act on the logits before temperature
+    (`jaxinfer.penalties`), in vLLM's order: bias, repetition, frequency and presence, then the
+    masks. They change greedy rows too.
     """
 
     temperature: float = 1.0
@@ -74,6 +80,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def bad(field, expected):
@@ -111,16 +119,13 @@ class SamplingParams:
         real("frequency_penalty", lambda v: -2 <= v <= 2, "a number in [-2, 2]")
         real("repetition_penalty", lambda v: 0.01 <= v <= 100, "a number in [0.01, 100]")
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
-        stops = self.stop_token_ids
-        if isinstance(stops, str | bytes) or is_int(stops) or getattr(stops, "ndim", 1) != 1:
-            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
-        try:
-            ids = [as_int(s) for s in stops]
-        except TypeError:
-            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
-        if not all(s is not None and 0 <= s <= INT32_MAX for s in ids):
-            bad("stop_token_ids", "a sequence of ints in [0, 2**31 - 1]")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        integer("min_tokens", 0, self.max_tokens, f"an int in [0, max_tokens = {self.max_tokens}]")
+        object.__setattr__(self, "stop_token_ids", _token_ids(self, "stop_token_ids"))
+        if self.allowed_token_ids is not None:
+            allowed = sorted(set(_token_ids(self, "allowed_token_ids")))
+            if not allowed:
+                bad("allowed_token_ids", "None or a non-empty sequence of token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
     @property
     def greedy(self) -> bool:
@@ -141,13 +146,29 @@ class SamplingParams:
 
     @functools.cached_property  # read for every row of every engine step
     def penalized(self) -> bool:
-        """Whether a penalty or a logit bias is on (the step then needs the token history)."""
+        """Whether a penalty, a logit bias or a mask is on (the step then needs the history)."""
         return bool(self.penalties)
 
 
-PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                  "min_tokens", "allowed_token_ids")  # fmt: skip
 _NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                    "logit_bias": ()}  # fmt: skip
+                    "logit_bias": (), "min_tokens": 0, "allowed_token_ids": None}  # fmt: skip
+
+
+def _token_ids(sp: SamplingParams, field: str) -> tuple[int, ...]:
+    """`sp.<field>` as a tuple of Python ints in [0, 2**31 - 1]; raises ValueError naming it."""
+    ids = getattr(sp, field)
+    msg = f"SamplingParams.{field}={ids!r} is invalid: expected a sequence of ints in [0, 2**31)"
+    if isinstance(ids, str | bytes) or is_int(ids) or getattr(ids, "ndim", 1) != 1:
+        raise ValueError(msg)
+    try:
+        out = [as_int(t) for t in ids]
+    except TypeError:
+        raise ValueError(msg) from None
+    if not all(t is not None and 0 <= t <= INT32_MAX for t in out):
+        raise ValueError(msg)
+    return tuple(out)
 
 
 def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:

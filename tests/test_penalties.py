@@ -17,9 +17,10 @@ CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
 V = CFG.vocab_size
 
 
-def reference_penalties(logits, prompt, output, sp) -> np.ndarray:
+def reference_penalties(logits, prompt, output, sp, eos=None) -> np.ndarray:
     """One row, written out from vLLM's rule: bias, then repetition over prompt and output,
-    then frequency and presence over the output."""
+    then frequency and presence over the output, then allowed_token_ids, then min_tokens (the
+    stop tokens, eos included unless ignored, barred while the output is shorter)."""
     x = np.asarray(logits, np.float64).copy()
     for tid, b in sp.logit_bias:
         x[tid] += b
@@ -28,7 +29,15 @@ def reference_penalties(logits, prompt, output, sp) -> np.ndarray:
     for t in set(output):
         n = output.count(t)
         x[t] -= sp.frequency_penalty * n + sp.presence_penalty
+    if sp.allowed_token_ids is not None:
+        x[[t for t in range(len(x)) if t not in sp.allowed_token_ids]] = -np.inf
+    if len(output) < sp.min_tokens:
+        x[list(_stops(sp, eos))] = -np.inf
     return x
+
+
+def _stops(sp, eos) -> set[int]:
+    return set(sp.stop_token_ids) | ({eos} if eos is not None and not sp.ignore_eos else set())
 
 
 SETTINGS = [
@@ -36,8 +45,13 @@ SETTINGS = [
     ji.SamplingParams(repetition_penalty=0.7, frequency_penalty=0.5),
     ji.SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0, logit_bias={3: 5.0, 9: -80}),
     ji.SamplingParams(logit_bias=[(0, 1.5)]),
+    # Masks: min_tokens beyond every output here (stop tokens always barred), and min_tokens 1
+    # twice, over an empty output (barred) and a longer one (not).
+    ji.SamplingParams(max_tokens=64, min_tokens=40, stop_token_ids=(4, 9)),
+    *[ji.SamplingParams(min_tokens=1, stop_token_ids=(2,), allowed_token_ids=range(0, 40, 2))] * 2,
     ji.SamplingParams(),  # neutral: a padding-like row among penalized ones
 ]
+EMPTY_OUTPUT_ROW = 5  # its history is its prompt alone
 
 
 def test_apply_penalties_matches_reference():
@@ -48,10 +62,11 @@ def test_apply_penalties_matches_reference():
     num_prompt = rng.randint(1, 12, b).astype(np.int32)
     rows = []
     for r in range(b):
-        n = int(rng.randint(num_prompt[r], h + 1))
+        n = int(rng.randint(num_prompt[r] + 1, h + 1))
+        n = int(num_prompt[r]) if r == EMPTY_OUTPUT_ROW else n
         hist[r, :n] = rng.randint(0, 12, n)  # a small id range, so tokens repeat
         rows.append((hist[r, : num_prompt[r]].tolist(), hist[r, num_prompt[r] : n].tolist()))
-    pb = PenaltyBatch.from_params(SETTINGS, V, pad_to=b + 3)
+    pb = PenaltyBatch.from_params(SETTINGS, CFG, pad_to=b + 3)
     pad = np.zeros((3, V), np.float32)
     counts, seen = history_counts(
         jnp.asarray(np.concatenate([hist, np.full((3, h), -1, np.int32)])),
@@ -63,6 +78,8 @@ def test_apply_penalties_matches_reference():
         want = reference_penalties(logits[r], *rows[r], sp)
         np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[b:], pad)  # padding rows: untouched
+    assert np.isneginf(got[5, 2]) and np.isfinite(got[6, 2])  # min_tokens 1: empty output only
+    assert np.isneginf(got[4, [4, 9]]).all() and np.isfinite(got[:4]).all()
     np.testing.assert_array_equal(got[b - 1], logits[b - 1])  # neutral settings: bit-identical
 
 
@@ -87,13 +104,16 @@ def params():
     return random_params(CFG, seed=7)
 
 
-def _stepwise(params, prompt, sp, n) -> list[int]:
-    """Greedy reference: rescore the growing sequence densely, penalize in NumPy, argmax."""
+def _stepwise(params, prompt, sp, n, cfg=CFG) -> list[int]:
+    """Greedy reference: rescore the growing sequence densely, penalize in NumPy, argmax; stop
+    after a stop token (eos unless ignored), as the decode loops do."""
     seq = list(prompt)
     for _ in range(n):
-        logits = np.asarray(ji.score(CFG, params, [seq]))[0, -1]
-        x = reference_penalties(logits, list(prompt), seq[len(prompt) :], sp)
+        logits = np.asarray(ji.score(cfg, params, [seq]))[0, -1]
+        x = reference_penalties(logits, list(prompt), seq[len(prompt) :], sp, cfg.eos_token_id)
         seq.append(int(np.argmax(x)))
+        if seq[-1] in _stops(sp, cfg.eos_token_id):
+            break
     return seq[len(prompt) :]
 
 
@@ -132,9 +152,51 @@ def test_generate_sampled_penalties_are_batch_invariant(params):
     assert [o.token_ids for o in batch] != [o.token_ids for o in unpenalized]
 
 
-def test_transformers_repetition_penalty_and_sequence_bias():
-    """Greedy with transformers' RepetitionPenaltyLogitsProcessor and single-token
-    SequenceBias on the shipped draft model, real text: the same tokens as ji.generate."""
+def test_generate_min_tokens_holds_back_every_stop_token(params):
+    """Eos and a second token biased to win every argmax: without min_tokens the output is eos
+    at once; with it, exactly min_tokens other tokens come first, then the stop."""
+    cfg = CFG.replace(eos_token_id=3)
+    prompt = [5, 1, 9, 3, 12]
+    base = dict(temperature=0, max_tokens=12, logit_bias={3: 100.0, 7: 90.0})
+    sps = [
+        ji.SamplingParams(**base),
+        ji.SamplingParams(**base, min_tokens=5),
+        ji.SamplingParams(**base, min_tokens=5, stop_token_ids=(7,)),
+        ji.SamplingParams(**base, min_tokens=5, ignore_eos=True),  # eos is no stop: not barred
+        ji.SamplingParams(**base, min_tokens=12),
+    ]
+    outs = ji.generate(cfg, params, [prompt] * len(sps), sps)
+    want = [[3], [7] * 5 + [3], None, [3] * 12, [7] * 12]
+    reasons = ["stop", "stop", "stop", "length", "length"]
+    for sp, o, w, why in zip(sps, outs, want, reasons):
+        assert o.token_ids == _stepwise(params, prompt, sp, 12, cfg), sp
+        assert (w is None or o.token_ids == w) and o.finish_reason == why, (sp, o)
+    third = outs[2].token_ids
+    assert len(third) == 6 and third[-1] == 3 and not {3, 7} & set(third[:5])
+
+
+def test_generate_allowed_token_ids(params):
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, 20, k).tolist() for k in (6, 13)]
+    allowed = tuple(range(0, V, 5))
+    sp = ji.SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed,
+                           repetition_penalty=1.3)  # fmt: skip
+    outs = ji.generate(CFG, params, prompts, sp)
+    plain = ji.generate(CFG, params, prompts, ji.SamplingParams(temperature=0, max_tokens=12))
+    for p, o, q in zip(prompts, outs, plain):
+        assert o.token_ids == _stepwise(params, p, sp, 12)
+        assert set(o.token_ids) <= set(allowed) and not set(q.token_ids) <= set(allowed)
+    # Sampled at a high temperature: only the three allowed ids ever come out, all of them.
+    sps = [ji.SamplingParams(temperature=2.0, max_tokens=8, seed=s, allowed_token_ids=(1, 4, 9))
+           for s in range(12)]  # fmt: skip
+    got = {t for o in ji.generate(CFG, params, [prompts[0]] * 12, sps) for t in o.token_ids}
+    assert got == {1, 4, 9}
+
+
+def test_transformers_penalties_and_masks():
+    """Greedy with transformers' RepetitionPenaltyLogitsProcessor, single-token SequenceBias,
+    MinNewTokensLengthLogitsProcessor and PrefixConstrainedLogitsProcessor on the shipped draft
+    model, real text: the same tokens as ji.generate."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
@@ -147,19 +209,27 @@ def test_transformers_repetition_penalty_and_sequence_bias():
     prompt = data.tokenize_documents(data.load_tokenizer(), [text])[:48].tolist()
     plain = ji.generate(cfg, p, [prompt], ji.SamplingParams(temperature=0, max_tokens=32))
     bias = {plain[0].token_ids[3]: -8.0, 100: 4.0}
+    stop = plain[0].token_ids[5]  # biased to win at once, held back by min_new_tokens
+    even = list(range(0, cfg.vocab_size, 2))
     cases = [
         (ji.SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.5),
          {"repetition_penalty": 1.5}),
         (ji.SamplingParams(temperature=0, max_tokens=32, logit_bias=bias),
          {"sequence_bias": {(t,): b for t, b in bias.items()}}),
+        (ji.SamplingParams(temperature=0, max_tokens=32, min_tokens=6, stop_token_ids=(stop,),
+                           ignore_eos=True, logit_bias={stop: 30.0}),
+         {"eos_token_id": stop, "min_new_tokens": 6, "sequence_bias": {(stop,): 30.0}}),
+        (ji.SamplingParams(temperature=0, max_tokens=32, allowed_token_ids=even),
+         {"prefix_allowed_tokens_fn": lambda batch, ids: even}),
     ]  # fmt: skip
     for sp, kw in cases:
         ours = ji.generate(cfg, p, [prompt], sp)[0].token_ids
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                eos_token_id=None, pad_token_id=0, **kw,
-            )  # fmt: skip
+        with torch.no_grad():  # the explicit mask: pad id 0 is also bos, which is no padding
+            out = hf.generate(torch.tensor([prompt]), **{
+                "attention_mask": torch.ones(1, len(prompt), dtype=torch.long),
+                "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32,
+                "eos_token_id": None, "pad_token_id": 0, **kw,
+            })  # fmt: skip
         assert ours == out[0, len(prompt) :].tolist(), kw
         assert ours != plain[0].token_ids, kw  # each setting changes this greedy output
 
@@ -177,6 +247,13 @@ def test_transformers_repetition_penalty_and_sequence_bias():
         (dict(logit_bias={"5": 1}), "logit_bias"),
         (dict(logit_bias=[(1, 1.0), (1, 2.0)]), "logit_bias"),
         (dict(logit_bias="7"), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(min_tokens=1.5), "min_tokens"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+        (dict(allowed_token_ids=5), "allowed_token_ids"),
+        (dict(allowed_token_ids="ab"), "allowed_token_ids"),
     ],
 )
 def test_bad_penalties_name_the_field(kwargs, field):
@@ -192,3 +269,22 @@ def test_logit_bias_outside_the_vocabulary_is_refused(params):
     a = ji.SamplingParams(logit_bias={5: 1.0, 2: -1.0})
     assert a == ji.SamplingParams(logit_bias=[(2, -1), (5, 1)]) and a.penalized
     assert a.logit_bias == ((2, -1.0), (5, 1.0)) and not ji.SamplingParams().penalized
+
+
+def test_masks_outside_the_model_are_refused(params):
+    cfg = CFG.replace(eos_token_id=3)
+    with pytest.raises(ValueError, match=rf"allowed_token_ids has token id {V}, outside"):
+        ji.generate(cfg, params, [[1, 2]], ji.SamplingParams(allowed_token_ids=(1, V)))
+    # min_tokens with nothing but stop tokens allowed could sample nothing: refused by name.
+    for sp in (
+        ji.SamplingParams(min_tokens=1, allowed_token_ids=(3,)),
+        ji.SamplingParams(min_tokens=2, allowed_token_ids=(3, 7), stop_token_ids=(7,)),
+    ):
+        with pytest.raises(ValueError, match=r"allowed_token_ids .* are all stop tokens"):
+            ji.generate(cfg, params, [[1, 2]], sp)
+    ok = ji.SamplingParams(min_tokens=2, max_tokens=3, allowed_token_ids=(3,), ignore_eos=True)
+    assert ji.generate(cfg, params, [[1, 2]], ok)[0].token_ids == [3, 3, 3]
+    # Stored sorted and deduplicated; either mask turns the history on.
+    a = ji.SamplingParams(allowed_token_ids=[9, 2, 9])
+    assert a.allowed_token_ids == (2, 9) and a.penalized
+    assert ji.SamplingParams(min_tokens=1).penalized

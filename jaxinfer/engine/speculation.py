@@ -55,7 +55,7 @@ from jaxinfer.engine import head_drafting
 from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.step import Penalties, padded_shape, penalty_inputs
 from jaxinfer.model.decoder import forward
-from jaxinfer.penalties import apply_penalties, history_counts, with_drafts
+from jaxinfer.penalties import apply_at_drafts, history_counts
 from jaxinfer.sampling import SamplingBatch, probs, sample
 from jaxinfer.speculative.acceptance import (
     _leading_true,
@@ -150,10 +150,8 @@ def _verify(
     flat_sb = sb.take(flat)
     live = jnp.arange(g - 1)[None, :] < gam[:, None]  # [R, G-1] drafted positions
     if pen is not None:  # each position's history holds the drafts before it (`with_drafts`)
-        counts, seen = history_counts(pen.history, pen.num_prompt, x.shape[-1])  # [R, V]
-        counts, seen = with_drafts(counts, seen, draft, live)  # [R, G, V]
-        x = apply_penalties(x, pen.pb.take(flat), counts.reshape(r * g, -1),
-                            seen.reshape(r * g, -1))  # fmt: skip
+        hist = history_counts(pen.history, pen.num_prompt, x.shape[-1])  # [R, V] x2
+        x = apply_at_drafts(x.reshape(r, g, -1), pen.pb, *hist, draft, live).reshape(r * g, -1)
     # The target's own token at every position: exactly what plain decoding samples there.
     target = sample(x, flat_sb, pos.reshape(-1), jnp.repeat(index, g)).reshape(r, g)
     n = _leading_true((draft == target[:, :-1]) & live) + 1  # [R]
@@ -326,7 +324,7 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     pen = None
     if any(sp.penalized for sp in sps):  # histories up to each row's first verified position
         states = [engine.scheduler.sequence(seqs[i].seq_id) for i, _ in sample_rows]
-        pen = penalty_inputs(engine.cfg.vocab_size, sps, states, pos[:, 0], b)
+        pen = penalty_inputs(engine.cfg, sps, states, pos[:, 0], b)
     engine.step_shapes[(t, b, m, g)] += 1
     heads = engine.draft_head is not None
     (tokens, n), engine.cache, *hidden = _verify(

@@ -206,11 +206,11 @@ def build_batch(engine, schedule: Schedule) -> _Batch:
     pen = None
     if any(sp.penalized for sp in sps):
         seq_states = [engine.scheduler.sequence(seqs[i].seq_id) for i, _ in rows]
-        pen = penalty_inputs(engine.cfg.vocab_size, sps, seq_states, pos, b)
+        pen = penalty_inputs(engine.cfg, sps, seq_states, pos, b)
     return _Batch(meta, src, sb, pos, index, ids, (t, b, m), tuple(sps), pen)
 
 
-def penalty_inputs(vocab_size: int, sps, seq_states, pos: np.ndarray, b: int) -> Penalties:
+def penalty_inputs(cfg: ModelConfig, sps, seq_states, pos: np.ndarray, b: int) -> Penalties:
     """Each sample row's tokens before the one it samples (its sequence's first `pos`), padded
     to `[b, H]`, H a power of two >= 16: few compilations as outputs grow."""
     h = bucket(max(int(pos.max()), 1), 16)
@@ -219,4 +219,4 @@ def penalty_inputs(vocab_size: int, sps, seq_states, pos: np.ndarray, b: int) ->
     for r, seq in enumerate(seq_states):
         history[r, : pos[r]] = seq.token_ids[: pos[r]]
         num_prompt[r] = seq.num_prompt_tokens - seq.request.num_generated
-    return Penalties(PenaltyBatch.from_params(sps, vocab_size, pad_to=b), history, num_prompt)
+    return Penalties(PenaltyBatch.from_params(sps, cfg, pad_to=b), history, num_prompt)

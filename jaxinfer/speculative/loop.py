@@ -44,7 +44,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.ops.backend import resolve_backend, resolve_platform
-from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts, with_drafts
+from jaxinfer.penalties import PenaltyBatch, apply_at_drafts, history_counts
 from jaxinfer.requests import (
     GenerationOutput,
     new_tokens_bucket,
@@ -125,14 +125,10 @@ def _penalized(logits: jax.Array, hist: jax.Array, upto: jax.Array, drafts, inpu
     Without penalties, the logits as they are."""
     if inputs.penalties is None:
         return logits
-    b, g, v = logits.shape
     h = jnp.where(jnp.arange(hist.shape[1])[None, :] < upto[:, None], hist, -1)  # [B, C]
-    counts, seen = history_counts(h, inputs.prompt_lens, v)  # [B, V]
-    counts, seen = with_drafts(counts, seen, drafts, jnp.ones(drafts.shape, jnp.bool_))
-    pb = inputs.penalties.take(jnp.repeat(jnp.arange(b), g))
-    x = apply_penalties(logits.reshape(b * g, v), pb, counts.reshape(b * g, v),
-                        seen.reshape(b * g, v))  # fmt: skip
-    return x.reshape(b, g, v)
+    counts, seen = history_counts(h, inputs.prompt_lens, logits.shape[-1])  # [B, V]
+    live = jnp.ones(drafts.shape, jnp.bool_)
+    return apply_at_drafts(logits, inputs.penalties, counts, seen, drafts, live)
 
 
 @jax.tree_util.register_dataclass
@@ -409,7 +405,7 @@ def prepare_run(
         max_tokens=batch.max_tokens,
     )
     if any(sp.penalized for sp in sampling):
-        pb = PenaltyBatch.from_params(sampling, cfg.vocab_size, pad_to=b)
+        pb = PenaltyBatch.from_params(sampling, cfg, pad_to=b)
         inputs = dataclasses.replace(inputs, penalties=pb, prompt_lens=batch.prompt_lens)
     platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
     backend = resolve_backend(backend, platform)

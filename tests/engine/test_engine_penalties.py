@@ -1,9 +1,10 @@
-"""Penalties and logit bias in the engine: the same tokens as `ji.generate` under preemption,
-prefix caching and chunked prefill, with and without speculation; forks penalized by their own
-histories; rejection sampling exact against the penalized law. The step's history is rebuilt
-from the scheduler's sequences each step, so these are the cases where it could go wrong: a
-recomputed (preempted) sequence, a prompt split over chunks, a prompt served from the prefix
-cache, the n samples of one request, the drafts before a verified position."""
+"""Penalties, logit bias and the masks (min_tokens, allowed_token_ids) in the engine: the same
+tokens as `ji.generate` under preemption, prefix caching and chunked prefill, with and without
+speculation; forks penalized by their own histories; rejection sampling exact against the
+penalized law. The step's history is rebuilt from the scheduler's sequences each step, so these
+are the cases where it could go wrong: a recomputed (preempted) sequence, a prompt split over
+chunks, a prompt served from the prefix cache, the n samples of one request, the drafts before a
+verified position."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def _settings(temperature: float) -> list[ji.SamplingParams]:
         dict(frequency_penalty=1.2),
         dict(presence_penalty=1.5, logit_bias={5: 2.0}),
         dict(repetition_penalty=0.8, frequency_penalty=-0.5),
+        dict(min_tokens=6, stop_token_ids=(5,), logit_bias={5: 30.0}),  # would stop at once
+        dict(allowed_token_ids=tuple(range(0, 64, 3)), presence_penalty=0.5),
         dict(),
     ]
     return [
@@ -79,10 +82,13 @@ def test_engine_matches_generate(params, temperature, budget, prefix):
     sps = _settings(temperature)
     ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
     plain = ji.generate(CFG, params, PROMPTS, [dataclasses.replace(sp, presence_penalty=0,
-                        frequency_penalty=0, repetition_penalty=1, logit_bias=()) for sp in sps],
-                        backend="reference")  # fmt: skip
+                        frequency_penalty=0, repetition_penalty=1, logit_bias=(), min_tokens=0,
+                        allowed_token_ids=None) for sp in sps], backend="reference")  # fmt: skip
     # The penalties changed most outputs, so matching `ref` is not matching plain decoding.
     assert sum(r.token_ids != p.token_ids for r, p in zip(ref, plain)) >= 5
+    held = ref[4].token_ids  # min_tokens: six tokens, then the stop token its bias favours
+    assert len(held) == 7 and held[-1] == 5 and 5 not in held[:6]
+    assert set(ref[5].token_ids) <= set(range(0, 64, 3))  # allowed_token_ids
     ecfg = dataclasses.replace(ECFG, max_num_batched_tokens=budget, enable_prefix_caching=prefix)
     engine = Engine(CFG, params, ecfg)
     outs = engine.generate(PROMPTS, sps)
@@ -98,7 +104,7 @@ def _dense_penalized_sample(params, prompt, sp, sample_index):
     """Sample `sample_index` of a request, scored without a cache: dense logits, the penalties
     of this sample's own history, then the engine's per-sample noise."""
     sb = SamplingBatch.from_params([sp])
-    pb = PenaltyBatch.from_params([sp], CFG.vocab_size)
+    pb = PenaltyBatch.from_params([sp], CFG)
     seq = list(prompt)
     for _ in range(sp.max_tokens):
         logits = ji.forward_dense(params, CFG, jnp.asarray([seq]))[:, -1]  # [1, V]
@@ -209,14 +215,21 @@ def _penalized_joint(params, prompt, sp) -> np.ndarray:
     return np.stack([first[a] * law(logits[a, -1], [a]) for a in range(v)])
 
 
-def test_speculative_rejection_sampling_with_penalties_chi_square():
-    """2000 seeds, γ = 1: the committed (t1, t2) follow the penalized joint law (t2 is the
-    cycle's commit), and fail the unpenalized one (the negative control)."""
+CHI_SQUARE_SETTINGS = {
+    "penalties": dict(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5),
+    # t1 from {0, 1, 4, 6} (stop token 2 barred by min_tokens), t2 from {0, 1, 2, 4, 6}.
+    "masks": dict(allowed_token_ids=(0, 1, 2, 4, 6), min_tokens=1, stop_token_ids=(2,)),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHI_SQUARE_SETTINGS))
+def test_speculative_rejection_sampling_with_penalties_chi_square(kind):
+    """2000 seeds, γ = 1: the committed (t1, t2) follow the penalized (or masked) joint law
+    (t2 is the cycle's commit), and fail the unpenalized one (the negative control)."""
     tparams = random_params(TINY, seed=1, std=0.6)
     dparams = random_params(TINY, seed=2, std=0.6)
     prompt, num = [1, 2, 3, 4, 5], 2000
-    sp0 = ji.SamplingParams(temperature=1.0, max_tokens=3, frequency_penalty=2.0,
-                            presence_penalty=1.0, repetition_penalty=1.5)  # fmt: skip
+    sp0 = ji.SamplingParams(temperature=1.0, max_tokens=3, **CHI_SQUARE_SETTINGS[kind])
     spec = SpeculativeConfig(drafter=(TINY, dparams), num_speculative_tokens=1)
     engine = Engine(
         TINY, tparams,
@@ -230,7 +243,8 @@ def test_speculative_rejection_sampling_with_penalties_chi_square():
     for o in outs:
         counts[o.token_ids[0], o.token_ids[1]] += 1
     neutral = dataclasses.replace(sp0, frequency_penalty=0, presence_penalty=0,
-                                  repetition_penalty=1)  # fmt: skip
+                                  repetition_penalty=1, allowed_token_ids=None,
+                                  min_tokens=0)  # fmt: skip
     assert _pvalue(counts, _penalized_joint(tparams, prompt, sp0)) > SIGNIFICANCE
     assert _pvalue(counts, _penalized_joint(tparams, prompt, neutral)) < SIGNIFICANCE
     assert 0 < engine.spec_counters.accepted < engine.spec_counters.proposed
@@ -271,6 +285,17 @@ def test_num_generated_continues_a_request(params):
     while engine.has_unfinished():
         out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     assert out != whole[3:]
+    # min_tokens counts the k resumed tokens as output too: the stop comes as early as whole.
+    sp = ji.SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=(5,),
+                           logit_bias={5: 50.0})  # fmt: skip
+    whole = ji.generate(CFG, params, [PROMPTS[3]], sp, backend="reference")[0].token_ids
+    assert len(whole) == 5 and whole[-1] == 5
+    rid = engine.add_request(PROMPTS[3] + whole[:2], dataclasses.replace(sp, max_tokens=8),
+                             num_generated=2)  # fmt: skip
+    out = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    assert out == whole[2:]
     for bad in (-1, len(PROMPTS[3]), 1.0):
         with pytest.raises(ValueError, match="num_generated must be an int"):
             engine.add_request(PROMPTS[3], sp, num_generated=bad)
