@@ -182,8 +182,9 @@ def test_repetition_penalty_matches_transformers(model, hf_model, prompts):
     try:
         with torch.inference_mode():
             theirs = [
-                hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=0,
-                            repetition_penalty=1.3)[0, len(p) :].tolist()
+                hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                            max_new_tokens=32, do_sample=False, pad_token_id=0,
+                            repetition_penalty=1.3)[0, len(p) :].tolist()  # id 0 is no padding
                 for p in chosen
             ]  # fmt: skip
     finally:
