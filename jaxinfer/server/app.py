@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.cache.metadata import bucket
+from jaxinfer.requests import SamplingError, check_sampling
 from jaxinfer.scoring import score
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -262,12 +263,10 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     stops = P.stop_strings(req)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
-    beyond = [t for t in sp.stop_token_ids if t >= vocab]
-    if beyond:
-        raise P.APIError(
-            400, f"stop_token_ids: {beyond[0]} is outside the vocabulary [0, {vocab})",
-            "stop_token_ids",
-        )  # fmt: skip
+    try:
+        check_sampling(srv.engine.engine.cfg, sp)  # ids in the vocabulary, min_tokens
+    except SamplingError as e:
+        raise P.APIError(400, str(e), e.field) from None
     for p in prompts:
         srv.check_lengths(p, sp.max_tokens, sp.n, field)
     if len(prompts) > srv.engine.max_waiting:  # 503 "retry later" would never succeed
@@ -309,7 +308,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
 
     n = sp.n
     choices = [
-        R.Choice(i * n + j, srv.tokenizer, prompts[i], stops)
+        R.Choice(i * n + j, srv.tokenizer, prompts[i], stops, sp.min_tokens)
         for i in range(len(prompts))
         for j in range(n)
     ]

@@ -72,14 +72,21 @@ class StopMatcher:
         self.stops = stops
         self.text = ""  # everything pushed, up to the first stop string (excluded)
         self.shown = 0  # characters of `text` released to the client
+        self.floor = 0  # a stop string must end past this many characters (min_tokens)
         self.stopped = False
 
-    def push(self, piece: str) -> None:
+    def push(self, piece: str, protected: bool = False) -> None:
+        """Appends text; `protected` text (of the first min_tokens tokens, as vLLM) cannot end
+        a stop string."""
         if self.stopped or not piece:
             return
         start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) + 1)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if protected:
+            self.floor = len(self.text)
+            return
+        found = (self.text.find(s, max(start, self.floor - len(s) + 1)) for s in self.stops)
+        hits = [i for i in found if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

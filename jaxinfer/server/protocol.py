@@ -5,9 +5,10 @@ Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `
 `ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
 an int belongs, or a bool where a number belongs is a 400 naming the field; unknown fields are
 ignored (clients send vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias`
-(OpenAI) and `repetition_penalty` (vLLM) map to the engine's penalties (`jaxinfer.penalties`).
-Known fields the engine does not implement (`best_of` other than n, `suffix`, tools) are
-accepted only at their neutral value.
+(OpenAI), `repetition_penalty`, `min_tokens` and `allowed_token_ids` (vLLM) map to the engine's
+penalties and masks (`jaxinfer.penalties`). Known fields that change the output but that the
+engine does not implement (`best_of` other than n, `suffix`, tools, vLLM's guided decoding and
+others: `UNIMPLEMENTED`) are accepted only at their neutral value and refused by name otherwise.
 
 Errors are raised as `APIError(status, message, param)` and rendered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}` by the app.
@@ -94,9 +95,23 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None  # [-2, 2]
     repetition_penalty: float | None = None  # vLLM extension; [0.01, 100]
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
-    # Known, accepted only at their neutral value.
+    min_tokens: int | None = None  # vLLM extension; no stop token or string before this many
+    allowed_token_ids: list[int] | None = None  # vLLM extension; the only ids sampled
+    # Known, accepted only at their neutral value (UNIMPLEMENTED below).
     best_of: int | None = None
     user: str | None = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -122,6 +137,33 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+
+
+# Fields of OpenAI's API or vLLM's extensions that change what is generated and that this server
+# does not implement: set to anything but their neutral value, a request is refused naming the
+# field, never served as if the field had not been sent. (Unknown fields are still ignored.)
+UNIMPLEMENTED = {
+    "bad_words": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "logits_processors": lambda v: not v,
+    "use_beam_search": lambda v: v is None or v is False,
+    "prompt_logprobs": lambda v: v is None,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: not v,
+    "function_call": lambda v: v is None or v == "none",
+    "modalities": lambda v: v is None or v == ["text"],
+}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -138,6 +180,10 @@ def shown(value: Any, limit: int = 80) -> str:
 def _check_neutral(req: _Sampling) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of", "only best_of = n is supported")
+    for field, neutral in UNIMPLEMENTED.items():
+        value = getattr(req, field, None)
+        if not neutral(value):
+            raise _bad(field, f"{shown(value)} is not supported by this server")
 
 
 def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float]:
@@ -196,6 +242,12 @@ def sampling_params(
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise _bad(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
+    allowed = req.allowed_token_ids
+    if allowed is not None and (not allowed or min(allowed) < 0):
+        raise _bad(
+            "allowed_token_ids",
+            f"{min(allowed)}: token ids must be >= 0" if allowed else "must not be empty",
+        )
     stops = req.stop_token_ids or []
     if any(not 0 <= s <= INT32_MAX for s in stops):
         bad = next(s for s in stops if not 0 <= s <= INT32_MAX)
@@ -218,6 +270,8 @@ def sampling_params(
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias(req, vocab_size),
+            min_tokens=0 if req.min_tokens is None else req.min_tokens,
+            allowed_token_ids=req.allowed_token_ids,
         )
     except ValueError as e:  # a bound checked only there: still a 400, not a 500
         field = re.match(r"SamplingParams\.(\w+)=", str(e))
@@ -267,6 +321,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                 f"messages.{i}.content",
                 f"a {shown(m.role)} message needs content (a string or a list of text parts)",
             )
+        if isinstance(m.content, list) and not m.content:  # as OpenAI answers
+            raise _bad(f"messages.{i}.content", "an empty list of content parts")
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             d["content"] = _content_text(f"messages.{i}.content", m.content)
@@ -295,6 +351,8 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, chat_template: str |
             "chat_template_kwargs", f"{taken} cannot be set here (messages and "
             "add_generation_prompt are request fields; the template is the server's)",
         )  # fmt: skip
+    if kwargs.get("tools"):  # the `tools` field is refused: not through the back door either
+        raise _bad("chat_template_kwargs.tools", "tools are not supported by this server")
 
     def render(**kw: Any) -> str:
         return apply_chat_template(

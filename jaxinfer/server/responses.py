@@ -32,10 +32,13 @@ BYTES = _byte_decoder()
 class Choice:
     """The text, tokens and logprobs of one choice as they stream in."""
 
-    def __init__(self, index: int, tokenizer, prompt: list[int], stops: list[str]):
+    def __init__(
+        self, index: int, tokenizer, prompt: list[int], stops: list[str], min_tokens: int = 0
+    ):
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, prompt)
         self.stop = StopMatcher(stops)
+        self.min_tokens = min_tokens  # the text of this many first tokens ends no stop string
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, float, tuple]] = []  # (id, logprob, top)
         self.finished = False
@@ -47,10 +50,13 @@ class Choice:
         if self.finished:
             return "", []
         ids = list(out.new_token_ids)
+        k = min(len(ids), max(0, self.min_tokens - len(self.token_ids)))  # protected ids
         self.token_ids += ids
         entries = [(t, lp, top) for t, (lp, top) in zip(ids, out.logprobs or ())]
         self.logprobs += entries
-        piece = self.detok.add(ids)
+        if k:
+            self.stop.push(self.detok.add(ids[:k]), protected=True)
+        piece = self.detok.add(ids[k:]) if k < len(ids) else ""
         if out.finished:
             piece += self.detok.flush()
         self.stop.push(piece)

@@ -140,6 +140,54 @@ def test_penalties_and_logit_bias_equal_generate(model, client):
     assert _ids(tok, chat.choices[0].message.content)[0] == first
 
 
+def test_min_tokens_and_allowed_token_ids_equal_generate(model, client):
+    """vLLM's `min_tokens` and `allowed_token_ids` reach the engine (they were ignored, as
+    unknown fields): greedy text and finish equal ji.generate's, and min_tokens also holds back
+    stop strings in the text of its first tokens, as vLLM does."""
+    cfg, _, tok = model
+    ids = _ids(tok, PROMPT)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    plain = client.completions.create(**kw)
+    first = _ids(tok, plain.choices[0].text)[0]
+    even = list(range(0, cfg.vocab_size, 2))
+    stop_first = dict(stop_token_ids=[first], logit_bias={first: 100.0})  # stops at once
+    cases = [
+        (dict(allowed_token_ids=even), "length"),
+        (stop_first, "stop"),
+        (dict(stop_first, min_tokens=5), "stop"),
+    ]
+    for sp, reason in cases:
+        body = dict(sp, logit_bias={str(k): v for k, v in sp.get("logit_bias", {}).items()})
+        r = client.completions.create(**kw, extra_body=body)
+        out, text = _reference(model, ids, 24, **sp)
+        assert r.choices[0].text == text and r.choices[0].finish_reason == reason, sp
+        assert r.usage.completion_tokens == len(out.token_ids), sp
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == first  # the last case: 5, then stop
+    # A stop string inside the first min_tokens tokens' text does not stop the request.
+    full_ids = _ids(tok, plain.choices[0].text)
+    stop = tok.decode(full_ids[:1])
+    assert client.completions.create(**kw, stop=[stop]).choices[0].text == ""
+    r = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 4})
+    full, floor = plain.choices[0].text, len(tok.decode(full_ids[:4]))
+    end = full.find(stop, max(0, floor - len(stop) + 1))
+    assert r.choices[0].text == (full if end < 0 else full[:end])
+    assert len(r.choices[0].text) >= floor
+
+
+def test_unimplemented_fields_at_neutral_values_are_served(client):
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+        extra_body={"bad_words": [], "use_beam_search": False, "skip_special_tokens": True,
+                    "include_stop_str_in_output": False, "min_tokens": 0},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        tool_choice="none", extra_body={"modalities": ["text"]},
+    )  # fmt: skip
+    assert chat.usage.completion_tokens == 2
+
+
 def test_stop_strings_streaming_and_not(model, client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
     text = full.choices[0].text
@@ -263,6 +311,25 @@ BAD = [
     # Without stream = true, as OpenAI (were accepted and ignored).
     ("stream_options", {"stream_options": {"include_usage": True}}),
     ("stream_options", {"stream": False, "stream_options": {"include_usage": False}}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+    ("min_tokens", {"min_tokens": 1.5}),
+    ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("allowed_token_ids", {"allowed_token_ids": [3, -1]}),
+    ("allowed_token_ids", {"allowed_token_ids": [10**6]}),
+    ("allowed_token_ids", {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 1}),
+    # vLLM's and OpenAI's fields that change the output and are not built here (were ignored).
+    ("bad_words", {"bad_words": ["x"]}),
+    ("guided_json", {"guided_json": {"type": "object"}}),
+    ("guided_choice", {"guided_choice": ["a", "b"]}),
+    ("guided_regex", {"guided_regex": "a+"}),
+    ("structured_outputs", {"structured_outputs": {"choice": ["a"]}}),
+    ("use_beam_search", {"use_beam_search": True}),
+    ("prompt_logprobs", {"prompt_logprobs": 1}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 8}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": True}),
+    ("skip_special_tokens", {"skip_special_tokens": False}),
+    ("logits_processors", {"logits_processors": ["m.f"]}),
 ]
 
 
@@ -298,6 +365,12 @@ CHAT_BAD = [
     ("chat_template_kwargs", {"chat_template_kwargs": {"date_string": 5}}),  # 'Today: ' + 5
     ("chat_template_kwargs", {"chat_template_kwargs": {"continue_final_message": True}}),
     ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream = true
+    # Tools by other names (were ignored, or reached the template past the refused `tools`).
+    ("tool_choice", {"tool_choice": "auto"}),
+    ("functions", {"functions": [{"name": "f"}]}),
+    ("function_call", {"function_call": "auto"}),
+    ("modalities", {"modalities": ["text", "audio"]}),
+    ("chat_template_kwargs.tools", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}),
 ]
 
 
@@ -329,6 +402,7 @@ MESSAGES_BAD = [
         [{"role": "user", "content": [{"type": "text", "text": ""}, 5]}],
     ),
     ("messages.0.content", "'text'", [{"role": "user", "content": [{"type": "text"}]}]),
+    ("messages.0.content", "empty list", [{"role": "user", "content": []}]),  # was ""
     # A long bad value is named by its start and its length, not echoed whole.
     ("messages.0.role", "'wwwww", [{"role": "w" * 100_000, "content": "hi"}]),
 ]
