@@ -6,6 +6,7 @@ r"""A/B of one jitted paged `forward` step under switches of the CPU path, in on
     python -m experiments.step_ab --compare=attention --rows=1,8 --verify=5 --prompts=8
     python -m experiments.step_ab --compare=row_forms --rows=1 --verify=1,2,3,4,5,8 --prompt=0
     python -m experiments.step_ab --compare=row_forms --rows=1 --prompt=0 --products=1,2,3,4,5,8,16
+    python -m experiments.step_ab --compare=w8a16 --rows=1,2,5,8,16 --verify=5 --prompt=200
 
 --compare picks the variants, each a layout of the same params and the module settings it is
 traced under (a variant's program is compiled with its settings and keeps them):
@@ -20,7 +21,12 @@ traced under (a variant's program is compiled with its settings and keeps them):
               with the NT GEMM at every T;
   attention   the step as shipped against the same step with the attention op replaced by
               the identity (its output is its query): the second's time over the first's is
-              the step without attention, so one minus it is attention's share.
+              the step without attention, so one minus it is attention's share;
+  w8a16       float32 weights against narrow ones in two layouts: as stored, `[in, out]`,
+  w4a16       which XLA dequantizes whole before each dot (the layout before 2026-12-06),
+  gguf        and `cpu_layout` as shipped (a scan over blocks of output rows up to 16 rows;
+              `jaxinfer.transposed`). W8A16: RTN int8, one scale per output channel; W4A16:
+              RTN int4, groups of 32; gguf: the model's GGUF tensors as stored (Q4_1, Q8_0).
 Each case is T decode rows (--rows, padded to a power of two as the decode loops' batches are)
 at each of --contexts (T sequences, one row each); with --verify, one sequence at each of
 --contexts appending T rows with the logits of every row (a speculative verification of T - 1
@@ -43,12 +49,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
 from experiments import common, flag_checks
 from experiments import linear_bench as lb  # its flags and block size
-from jaxinfer import transposed
+from jaxinfer import quant, transposed
 from jaxinfer.cache.metadata import SeqChunk, bucket, build_metadata
 from jaxinfer.engine.buckets import layer_products
 from jaxinfer.model import attention as model_attention
@@ -60,9 +67,8 @@ from jaxinfer.requests import prompt_bucket
 # linear_bench's flags are ours: --workdir, --config, --model, --rows, --context (unused: see
 # --contexts), --prompt, --reps; its batches are ours too (`case_batch`, with two more kinds).
 _CONTEXTS = flags.DEFINE_list("contexts", ["256"], "Contexts of the decode rows.")
-_COMPARE = flags.DEFINE_enum(
-    "compare", "changes", ["changes", "chunk_keys", "row_forms", "attention"], "Which variants."
-)
+_VARIANTS = ["changes", "chunk_keys", "row_forms", "attention", "w8a16", "w4a16", "gguf"]
+_COMPARE = flags.DEFINE_enum("compare", "changes", _VARIANTS, "Which variants.")
 _VERIFY = flags.DEFINE_list("verify", [], "Rows T of one verifying sequence per context.")
 _PRODUCTS = flags.DEFINE_list("products", [], "Rows T of the layers' products alone.")
 _PROMPTS = flags.DEFINE_integer(
@@ -106,8 +112,35 @@ def _settings(
             setattr(mod, name, v)
 
 
-def variants(params) -> dict:
+class _NotQuantized:
+    """Stands in for the quantized types in `cpu_layout`: their weights keep their own layout."""
+
+
+def _narrow(params, cfg, path: str) -> tuple[str, dict]:
+    """(format name, weights) of a --compare of narrow weights."""
+    if _COMPARE.value == "gguf":
+        return "GGUF as stored", ji.load_checkpoint(path, keep_quantized=True)[1]
+    bits, group = {"w8a16": (8, None), "w4a16": (4, 32)}[_COMPARE.value]
+    calib = np.zeros((1, 16), np.int32)  # RTN reads no calibration data
+    name = "W8A16" if bits == 8 else f"W4A16 g{group}"
+    return name, quant.quantize(cfg, params, quant.QuantConfig("rtn", bits, group), calib)
+
+
+def variants(params, cfg, path: str) -> dict:
     """name -> (laid-out params, settings) for --compare."""
+    if _COMPARE.value in ("w8a16", "w4a16", "gguf"):
+        name, q = _narrow(params, cfg, path)
+        saved = params_mod.Int8Weight, params_mod.Int4Weight
+        params_mod.Int8Weight = params_mod.Int4Weight = _NotQuantized
+        try:
+            whole = params_mod.cpu_layout(q)
+        finally:
+            params_mod.Int8Weight, params_mod.Int4Weight = saved
+        return {
+            "float32": (params_mod.cpu_layout(params), {}),
+            f"{name}, whole-matrix dequantize (before)": (whole, {}),
+            f"{name}, blocked (ships)": (params_mod.cpu_layout(q), {}),
+        }
     if _COMPARE.value == "changes":
         with _settings(fused={}):
             apart = params_mod.cpu_layout(params)
@@ -232,7 +265,7 @@ def main(argv):
     if lb._WORKDIR.value:
         common.save_config(lb._WORKDIR.value, resolved={"model": path})
     cfg, params = ji.load_checkpoint(path)
-    runs = variants(params)
+    runs = variants(params, cfg, path)
     del params
     load0 = common.load_average()
     cases = [("decode", int(c), int(t)) for c in _CONTEXTS.value for t in lb._ROWS.value]

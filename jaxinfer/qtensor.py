@@ -117,6 +117,64 @@ class Int8Weight:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ColumnBlocks:
+    """A weight-only quantized weight cut into blocks of `ob` output columns (the CPU layout).
+
+    `blocks` is the weight itself (an `Int4Weight` or a grouped `Int8Weight`) with a leading
+    block axis on each array, `[nb, ..., ob]`, and the per-block static shape `(in, ob)`; an
+    act-order `perm` is held apart, since every block shares it. `ops.linear` applies it one
+    block at a time (`lax.scan`), so only a `[in, ob]` block is ever dequantized at once; see
+    `jaxinfer.transposed` for why (XLA on a CPU dequantizes a whole matrix in memory).
+    """
+
+    blocks: Int4Weight | Int8Weight  # arrays [nb, ..., ob]; static shape (in, ob)
+    perm: jax.Array | None  # [in] int32 act-order permutation of the whole weight, or None
+    out: int = dataclasses.field(metadata=dict(static=True))  # nb * ob
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.out)
+
+    def whole(self) -> Int4Weight | Int8Weight:
+        """The weight as one `[in, out]` pytree again (a copy)."""
+
+        def join(a):  # [nb, r, ob] -> [r, nb * ob]
+            return jnp.transpose(a, (1, 0, 2)).reshape(a.shape[1], self.out)
+
+        return _with_perm(_map_out_arrays(self.blocks, join), self.shape, self.perm)
+
+
+def column_blocks(w: Int4Weight | Int8Weight, ob: int) -> ColumnBlocks:
+    """`w` (one layer's, 2-D arrays) cut into blocks of `ob` output columns; `ob` divides out."""
+    d_in, d_out = w.shape
+    if d_out % ob:
+        raise ValueError(f"column_blocks: {ob} columns per block do not divide out = {d_out}")
+
+    def cut(a):  # [r, out] -> [nb, r, ob], each block contiguous
+        return jnp.transpose(a.reshape(a.shape[0], d_out // ob, ob), (1, 0, 2))
+
+    blocks = _with_perm(_map_out_arrays(w, cut), (d_in, ob), None)
+    return ColumnBlocks(blocks, getattr(w, "perm", None), d_out)
+
+
+def _with_perm(w, shape: tuple[int, int], perm: jax.Array | None):
+    """`w` with static shape `shape` and, for an Int4Weight, act order `perm`."""
+    extra = {"perm": perm} if isinstance(w, Int4Weight) else {}
+    return dataclasses.replace(w, shape=shape, **extra)
+
+
+def _map_out_arrays(w, fn):
+    """`w` with `fn` applied to its arrays that end in the output axis (not `perm`)."""
+    fields = {}
+    for f in dataclasses.fields(w):
+        a = getattr(w, f.name)
+        if f.name != "perm" and isinstance(a, jax.Array) and not f.metadata.get("static"):
+            fields[f.name] = fn(a)
+    return dataclasses.replace(w, **fields)
+
+
 QUANTIZED_TYPES = (Int4Weight, Int8Weight)
 
 

@@ -40,6 +40,24 @@ A tied model's head is the embedding table itself (`[V, E]` is already `[out, in
 `[E, V]` copy `inference_layout` materialises for one-row products, so the head costs no more
 memory than there.
 
+**Narrow weights.** XLA's CPU backend dequantizes a whole int8 or int4 matrix into a float32
+copy in memory before each dot. One paged SmolLM2 step took 4.4x (W8A16), 4.6x (W4A16, groups of
+32) and 5.6x (the GGUF file's Q4_1 / Q8_0 as stored) the float32 step at one row (BENCHMARKS.md,
+2026-12-06). Inside `ji.generate`'s decode loop XLA hoists those dequantizations out of the loop
+instead, so the loop read float32 copies of every weight (memory as float32 plus the narrow
+copy), and the step table by format measured float32 under the formats' names.
+
+Up to NARROW_SCAN_MAX_ROWS rows the product is therefore a `lax.scan` over blocks of
+NARROW_BLOCK_ROWS output rows (or a divisor of `out`): each step dequantizes one `[block, in]`
+block, which stays in cache, and multiplies it. Nothing loop-invariant is left for the decode
+loop to hoist, so it reads the narrow bytes. W8A16 weights with one scale per output channel
+are held here, `wt` int8 with its `scale` (fused like the dense ones); int4 and grouped int8
+weights are held by `qtensor.ColumnBlocks` and applied the same way by `ops.linear`. The step at
+one row took 1.19x the float32 step (W8A16), 1.84-1.94x (W4A16) and 2.4x (GGUF); at 2-16 rows
+1.3-1.5x, where the whole-matrix dequantization took 2.0-3.9x. Above NARROW_SCAN_MAX_ROWS
+(prefill), a dequantization is amortised over the rows: every block is dequantized at once.
+On a GPU none of this applies: the loops keep the stored layout and the Pallas kernels.
+
 Like the quantized formats, this module is a leaf: model and ops import it.
 """
 
@@ -54,15 +72,23 @@ REDUCE_MAX_ROWS = 16  # see the module docstring: 32 rows crashed XLA in an engi
 ROW_BLOCKS = 8  # output-row blocks of the 2..REDUCE_MAX_ROWS product (0: the sum everywhere)
 PAD_ROWS = 8  # the blocked product pads M above PAD_ABOVE to a multiple of this (0: no padding)
 PAD_ABOVE = 4
+NARROW_BLOCK_ROWS = 128  # output rows dequantized per step of a narrow product (or a divisor)
+NARROW_SCAN_MAX_ROWS = REDUCE_MAX_ROWS  # above: the whole narrow matrix is dequantized at once
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TransposedDense:
-    """A dense weight `w [in, out]` held as `wt = w.T`, `[out, in]` (rows are output features)."""
+    """A dense weight `w [in, out]` held as `wt = w.T`, `[out, in]` (rows are output features).
+
+    With `scale`, `wt` is int8 and the weight is `wt.T * scale`: a per-output-channel W8A16
+    weight (`qtensor.Int8Weight`) in this layout, applied as the dense one and scaled after the
+    reduction, as `ops.linear` applies an Int8Weight.
+    """
 
     wt: jax.Array  # [out, in]
     w: jax.Array | None = None  # [in, out] as well, or None: the one-row product's operand
+    scale: jax.Array | None = None  # [out] float32: wt is int8 (W8A16), the weight wt.T * scale
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,7 +100,9 @@ class TransposedDense:
         return self.wt.dtype
 
     def dense(self) -> jax.Array:
-        """The weight as `[in, out]` (a transposed copy)."""
+        """The weight as `[in, out]` (a transposed copy; float32 if int8 with a scale)."""
+        if self.scale is not None:
+            return jnp.swapaxes(self.wt.astype(jnp.float32) * self.scale[:, None], -1, -2)
         return jnp.swapaxes(self.wt, -1, -2)
 
 
@@ -88,6 +116,8 @@ def transpose_dense(w: jax.Array, keep: bool = False) -> TransposedDense:
 
 def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
     """`x @ w` for x `[..., in]` -> float32 `[..., out]` (see the module docstring)."""
+    if w.scale is not None:
+        return _apply_int8(x, w)
     wt = w.wt.astype(x.dtype)  # [out, in]
     if wt.ndim != 2 or x.shape[-1] != wt.shape[1]:
         raise ValueError(f"linear: x [..., {x.shape[-1]}] against a weight of shape {w.shape}")
@@ -112,4 +142,38 @@ def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
         y = jax.lax.dot_general(
             x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [M, out]
+    if w.scale is not None:  # constant along `in`: once, after the reduction
+        y = y * w.scale.astype(jnp.float32)
     return y.reshape(*lead, wt.shape[0])
+
+
+def column_block(out: int) -> int:
+    """The output rows (columns of `[in, out]`) per scan step of a narrow weight's product: the
+    largest of NARROW_BLOCK_ROWS and its halves down to 8 that divides `out` (0: none does)."""
+    b = NARROW_BLOCK_ROWS
+    while b >= 8 and out % b:
+        b //= 2
+    return b if b >= 8 else 0
+
+
+def _apply_int8(x: jax.Array, w: TransposedDense) -> jax.Array:
+    """`x @ (wt.T * scale)` for an int8 `wt [out, in]` (see the module docstring)."""
+    out, k = w.wt.shape
+    if w.wt.ndim != 2 or x.shape[-1] != k:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] against a weight of shape {w.shape}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)  # [M, in]
+    nt = (((1,), (1,)), ((), ()))  # contract both `in` axes
+    ob = column_block(out)
+    if x2.shape[0] <= NARROW_SCAN_MAX_ROWS and ob:
+
+        def block(_, wb):  # [ob, in] int8 -> [M, ob]; only this block is converted
+            return None, jax.lax.dot_general(
+                x2, wb.astype(x.dtype), nt, preferred_element_type=jnp.float32
+            )
+
+        _, ys = jax.lax.scan(block, None, w.wt.reshape(out // ob, ob, k))  # [out / ob, M, ob]
+        y = jnp.transpose(ys, (1, 0, 2)).reshape(x2.shape[0], out)
+    else:
+        y = jax.lax.dot_general(x2, w.wt.astype(x.dtype), nt, preferred_element_type=jnp.float32)
+    return (y * w.scale.astype(jnp.float32)).reshape(*lead, out)

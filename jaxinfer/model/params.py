@@ -31,6 +31,10 @@ input are fused where all are dense (`FUSED`): `wqkv [(H + 2K) * D, E]` (with `b
 `w_gate_up [2F, E]`, one product each instead of three and two (vLLM's QKVParallelLinear and
 MergedColumnParallelLinear). Measured on SmolLM2 (an interleaved A/B of one paged step at T = 1,
 2, 5, 8, 16 rows, BENCHMARKS.md 2026-12-04): 0.97-0.98x the step of the projections apart.
+W8A16 weights with one scale per output channel take the same layout, int8 with their scales
+(fused likewise: the scales concatenate); int4 and grouped int8 weights are cut into blocks of
+output columns (`qtensor.ColumnBlocks`, their projections apart). `transposed` says why and how
+they are applied.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.qtensor import is_quantized
-from jaxinfer.transposed import TransposedDense, transpose_dense
+from jaxinfer.qtensor import ColumnBlocks, Int4Weight, Int8Weight, column_blocks, is_quantized
+from jaxinfer.transposed import TransposedDense, column_block, transpose_dense
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -155,6 +159,11 @@ def _check_keys(got: set, expected: set, extra_ok: set, where: str) -> None:
         )
 
 
+def _narrow(leaf) -> bool:
+    """A quantized weight in the CPU layout: its dtype is its format's, not the model's."""
+    return isinstance(leaf, ColumnBlocks) or getattr(leaf, "scale", None) is not None
+
+
 def _check_leaf(name: str, spec: jax.ShapeDtypeStruct, leaf, unstacked: bool = False) -> None:
     expected = tuple(spec.shape[1:] if unstacked else spec.shape)
     if is_quantized(leaf):
@@ -167,7 +176,7 @@ def _check_leaf(name: str, spec: jax.ShapeDtypeStruct, leaf, unstacked: bool = F
     elif not hasattr(leaf, "shape") or tuple(leaf.shape) != expected:
         got = tuple(leaf.shape) if hasattr(leaf, "shape") else type(leaf).__name__
         raise ValueError(f"shape mismatch at {name}: {got}; the model config implies {expected}")
-    elif leaf.dtype != spec.dtype:
+    elif not _narrow(leaf) and leaf.dtype != spec.dtype:
         want = jnp.dtype(spec.dtype).name
         raise ValueError(
             f"dtype mismatch at {name}: {jnp.dtype(leaf.dtype).name}; the model config says "
@@ -228,7 +237,14 @@ def cpu_layout(params: dict) -> dict:
     out = inference_layout(params)  # a tied head materialised [E, V]
 
     def t(w, keep=False):
-        return transpose_dense(w, keep) if isinstance(w, jax.Array) and w.ndim == 2 else w
+        if isinstance(w, jax.Array) and w.ndim == 2:
+            return transpose_dense(w, keep)
+        if isinstance(w, Int8Weight) and w.group_size is None and not w.act_quant:
+            return TransposedDense(jnp.asarray(w.q.T), scale=w.scales.astype(jnp.float32))
+        if isinstance(w, Int4Weight) or (isinstance(w, Int8Weight) and not w.act_quant):
+            ob = column_block(w.shape[1])
+            return column_blocks(w, ob) if ob else w
+        return w
 
     out["layers"] = tuple(
         _fuse_siblings({k: t(v) if k in LINEAR_NAMES else v for k, v in layer.items()})
@@ -254,9 +270,15 @@ def _fuse_siblings(lp: dict) -> dict:
     `TransposedDense` (the parts' rows stacked in order), where every part is dense."""
     lp = dict(lp)
     for fused, (parts, bias, bias_parts) in FUSED.items():
-        if not all(isinstance(lp.get(p), TransposedDense) for p in parts):
-            continue  # a quantized part: the projections stay apart
-        lp[fused] = TransposedDense(jnp.concatenate([lp.pop(p).wt for p in parts], axis=0))
+        ws = [lp.get(p) for p in parts]
+        if not all(isinstance(w, TransposedDense) for w in ws):
+            continue  # an int4 or grouped part: the projections stay apart
+        if len({w.scale is None for w in ws}) > 1 or len({w.wt.dtype for w in ws}) > 1:
+            continue  # int8 beside float: apart
+        scale = None if ws[0].scale is None else jnp.concatenate([w.scale for w in ws])
+        lp[fused] = TransposedDense(jnp.concatenate([w.wt for w in ws], axis=0), scale=scale)
+        for p in parts:
+            del lp[p]
         if bias is not None and all(b in lp for b in bias_parts):
             lp[bias] = jnp.concatenate([lp.pop(b) for b in bias_parts])
     return lp

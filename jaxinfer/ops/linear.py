@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxinfer import transposed
 from jaxinfer.ops.backend import is_pallas, resolve_backend
 from jaxinfer.qtensor import (
+    ColumnBlocks,
     Int4Weight,
     Int8Weight,
     dequantize,
@@ -25,8 +26,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 
     Args:
       x: activations `[..., in]`.
-      w: a dense `[in, out]` array, a `TransposedDense`, or a quantized weight pytree (see
-        `jaxinfer.qtensor`).
+      w: a dense `[in, out]` array, a `TransposedDense` (dense or int8), a quantized weight
+        pytree or one in `ColumnBlocks` (see `jaxinfer.qtensor`).
       b: optional bias `[out]`.
       backend: for quantized weights, "xla" and "reference" dequantize and dot in XLA; "pallas"
         and "pallas-interpret" run the kernels of `pallas_kernels`; "auto" picks Pallas on GPU.
@@ -37,7 +38,16 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
     if isinstance(w, jax.Array | jnp.ndarray):
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     elif isinstance(w, transposed.TransposedDense):
+        if w.scale is not None and is_pallas(backend := resolve_backend(backend)):
+            # An int8 weight in the CPU layout, on the Pallas path (interpret mode on a CPU):
+            # back to the kernel's [in, out] operand, so the kernel is what runs.
+            q = jnp.swapaxes(w.wt, -1, -2)
+            return linear(x, Int8Weight(q, w.scale, False, q.shape), b, backend=backend)
         y = transposed.apply(x, w)
+    elif isinstance(w, ColumnBlocks):
+        if is_pallas(resolve_backend(backend)):  # the kernel's operand, [in, out] again
+            return linear(x, w.whole(), b, backend=backend)
+        y = _column_blocks(x, w)
     elif _has_kernel(w) and is_pallas(backend := resolve_backend(backend)):
         # Not a cycle breaker: the Pallas backend (and Pallas itself) loads only when it is used.
         from jaxinfer.ops import pallas
@@ -61,6 +71,32 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend: str = "auto"
 # Int8: the per-column scale is applied after the reduction (equal up to float rounding). The
 # Pallas kernels (`ops/pallas.py` over pallas_kernels/int4_matmul/, int8_matmul/) compute the
 # same products.
+
+
+def _column_blocks(x: jax.Array, w: ColumnBlocks) -> jax.Array:
+    """`linear` of a weight in column blocks: up to NARROW_SCAN_MAX_ROWS rows one block is
+    dequantized and multiplied at a time; above, every block at once and one batched product
+    (a prefill amortises the whole dequantization over its rows; `jaxinfer.transposed`)."""
+    d_in = w.shape[0]
+    x2 = x.reshape(-1, d_in)  # [M, in]
+    if w.perm is not None:
+        x2 = jnp.take(x2, w.perm, axis=-1)  # [M, in] in the weights' stored row order
+    if x2.shape[0] <= transposed.NARROW_SCAN_MAX_ROWS:
+
+        def block(_, wb):  # one block [in, ob] -> [M, ob]
+            return None, jnp.dot(x2, _dequantized(wb, x.dtype), preferred_element_type=jnp.float32)
+
+        _, ys = jax.lax.scan(block, None, w.blocks)  # [nb, M, ob]
+    else:
+        wd = _dequantized(w.blocks, x.dtype)  # [nb, in, ob]
+        ys = jnp.einsum("mi,bio->bmo", x2, wd, preferred_element_type=jnp.float32)
+    y = jnp.transpose(ys, (1, 0, 2)).reshape(x2.shape[0], w.out)
+    return y.reshape(*x.shape[:-1], w.out)
+
+
+def _dequantized(w, dtype) -> jax.Array:
+    """A weight-only Int4Weight or grouped Int8Weight in stored row order, `[..., in, out]`."""
+    return dequantize_rows(w, dtype) if isinstance(w, Int4Weight) else dequantize(w, dtype)
 
 
 def _has_kernel(w) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import jaxinfer as ji
 from jaxinfer.cache.metadata import SeqChunk, build_metadata
 from jaxinfer.model.params import LINEAR_NAMES, cpu_layout, inference_layout, loop_layout
-from jaxinfer.qtensor import Int4Weight, Int8Weight
+from jaxinfer.qtensor import Int4Weight
 from jaxinfer.quant.rtn import quantize_int8, rtn_quantize
 from jaxinfer.transposed import TransposedDense
 from tests.helpers import random_params
@@ -125,8 +125,10 @@ def test_cpu_layout_transposes_every_dense_projection():
     params = dict(params, layers=layers)
     laid = cpu_layout(params)
     for i, lp in enumerate(laid["layers"]):
-        assert isinstance(lp["wk"], Int8Weight)  # quantized weights are left as they are,
-        for name in ("wq", "wv", "wo", "w_down"):  # and keep their dense siblings apart
+        wk = lp["wk"]  # W8A16: int8 [out, in] with its scales (tests/ops/test_narrow_layout.py),
+        assert isinstance(wk, TransposedDense) and wk.wt.dtype == jnp.int8 and wk.scale.ndim == 1
+        np.testing.assert_array_equal(np.asarray(wk.wt), np.asarray(layers["wk"].q[i]).T)
+        for name in ("wq", "wv", "wo", "w_down"):  # and its dense siblings stay apart
             w = lp[name]
             assert isinstance(w, TransposedDense) and w.wt.ndim == 2
             np.testing.assert_array_equal(np.asarray(w.wt), np.asarray(layers[name][i]).T)
