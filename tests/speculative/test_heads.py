@@ -213,3 +213,27 @@ def test_bad_head_input_raises():
     bad = heads.Head(hc, heads.init_eagle(hc, jax.random.key(0)))  # no vocab_ids
     with pytest.raises(ValueError, match="vocab_ids"):
         ji.speculative.generate(_target(), bad, PROMPTS[:1], gamma=2)
+
+
+@pytest.mark.parametrize("fmt", ["w8a16", "q8_0"])
+def test_draft_vocabulary_of_a_narrow_target_head(fmt):
+    """A target whose LM head is quantized (int8 per channel, or GGUF's grouped Q8_0) in the CPU
+    layout: the draft vocabulary's head gives the logits of the dequantized head's columns (the
+    int8 rows keep their scales)."""
+    cfg, tp = _target()
+    head = _head("eagle-vocab")
+    ids = np.asarray(head.params["vocab_ids"])
+    w = jnp.asarray(np.random.RandomState(3).randn(cfg.hidden_size, cfg.vocab_size), jnp.float32)
+    if fmt == "w8a16":
+        qw = ji.quant.rtn.quantize_int8(w)
+    else:
+        q = jnp.clip(jnp.round(w * 20), -127, 127).astype(jnp.int8)
+        s = jnp.full((cfg.hidden_size // 32, cfg.vocab_size), 0.05, jnp.float32)
+        qw = ji.qtensor.Int8Weight(q, s, False, tuple(w.shape), 32)
+    dense = np.asarray(ji.qtensor.dequantize(qw, jnp.float32))
+    laid = ji.model.params.cpu_layout(dict(ji.inference_layout(tp), lm_head=qw))
+    assert not isinstance(laid["lm_head"], jax.Array)  # int8 rows or column blocks
+    rp = heads.pair(head, cfg, laid)
+    x = jnp.asarray(np.random.RandomState(4).randn(2, cfg.hidden_size), jnp.float32)
+    want = np.asarray(x) @ dense[:, ids]
+    np.testing.assert_allclose(np.asarray(ji.ops.linear(x, rp["lm_w"])), want, rtol=1e-5, atol=1e-4)

@@ -16,6 +16,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.layers import rms_norm
 from jaxinfer.model.params import lm_head
 from jaxinfer.ops.linear import linear
+from jaxinfer.qtensor import ColumnBlocks, dequantize, is_quantized
 from jaxinfer.speculative.heads.config import Head, HeadConfig, check_pairing
 from jaxinfer.transposed import TransposedDense
 
@@ -42,9 +43,11 @@ def pair(head: Head, cfg: ModelConfig, tparams: dict) -> dict:
         ids = head.params["vocab_ids"]
         if isinstance(w, TransposedDense):  # [N, E] (and [E, N] where the head keeps [E, V])
             keep = None if w.w is None else jnp.take(w.w, ids, axis=1)
-            w = TransposedDense(jnp.take(w.wt, ids, axis=0), keep)
-        else:
-            w = jnp.take(w, ids, axis=1)  # [E, N]
+            scale = None if w.scale is None else jnp.take(w.scale, ids)  # an int8 head's rows
+            w = TransposedDense(jnp.take(w.wt, ids, axis=0), keep, scale)
+        else:  # a narrow head: its draft-vocabulary columns, dequantized (small: [E, N])
+            w = w.whole() if isinstance(w, ColumnBlocks) else w
+            w = jnp.take(dequantize(w, jnp.float32) if is_quantized(w) else w, ids, axis=1)
     return {
         "head": head.params,
         "embed": tparams["embed"],  # [V, E]
