@@ -142,8 +142,6 @@ def apply(x: jax.Array, w: TransposedDense) -> jax.Array:
         y = jax.lax.dot_general(
             x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [M, out]
-    if w.scale is not None:  # constant along `in`: once, after the reduction
-        y = y * w.scale.astype(jnp.float32)
     return y.reshape(*lead, wt.shape[0])
 
 
@@ -154,6 +152,15 @@ def column_block(out: int) -> int:
     while b >= 8 and out % b:
         b //= 2
     return b if b >= 8 else 0
+
+
+def scan_blocks(product, blocks) -> jax.Array:
+    """`[M, out]`: `product(block) -> [M, ob]` for each block of `blocks` (a pytree whose arrays
+    lead with the block axis `nb`) in turn, one `lax.scan` step each, joined in block order
+    (`out = nb * ob`). The narrow products' loop: only one block is dequantized at a time."""
+    _, ys = jax.lax.scan(lambda _, b: (None, product(b)), None, blocks)  # [nb, M, ob]
+    nb, m, ob = ys.shape
+    return jnp.transpose(ys, (1, 0, 2)).reshape(m, nb * ob)
 
 
 def _apply_int8(x: jax.Array, w: TransposedDense) -> jax.Array:
@@ -167,13 +174,12 @@ def _apply_int8(x: jax.Array, w: TransposedDense) -> jax.Array:
     ob = column_block(out)
     if x2.shape[0] <= NARROW_SCAN_MAX_ROWS and ob:
 
-        def block(_, wb):  # [ob, in] int8 -> [M, ob]; only this block is converted
-            return None, jax.lax.dot_general(
+        def block(wb):  # [ob, in] int8 -> [M, ob]; only this block is converted
+            return jax.lax.dot_general(
                 x2, wb.astype(x.dtype), nt, preferred_element_type=jnp.float32
             )
 
-        _, ys = jax.lax.scan(block, None, w.wt.reshape(out // ob, ob, k))  # [out / ob, M, ob]
-        y = jnp.transpose(ys, (1, 0, 2)).reshape(x2.shape[0], out)
+        y = scan_blocks(block, w.wt.reshape(out // ob, ob, k))  # [M, out]
     else:
         y = jax.lax.dot_general(x2, w.wt.astype(x.dtype), nt, preferred_element_type=jnp.float32)
     return (y * w.scale.astype(jnp.float32)).reshape(*lead, out)

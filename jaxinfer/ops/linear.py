@@ -83,14 +83,14 @@ def _column_blocks(x: jax.Array, w: ColumnBlocks) -> jax.Array:
         x2 = jnp.take(x2, w.perm, axis=-1)  # [M, in] in the weights' stored row order
     if x2.shape[0] <= transposed.NARROW_SCAN_MAX_ROWS:
 
-        def block(_, wb):  # one block [in, ob] -> [M, ob]
-            return None, jnp.dot(x2, _dequantized(wb, x.dtype), preferred_element_type=jnp.float32)
+        def block(wb):  # one block [in, ob] -> [M, ob]
+            return jnp.dot(x2, _dequantized(wb, x.dtype), preferred_element_type=jnp.float32)
 
-        _, ys = jax.lax.scan(block, None, w.blocks)  # [nb, M, ob]
+        y = transposed.scan_blocks(block, w.blocks)  # [M, out]
     else:
         wd = _dequantized(w.blocks, x.dtype)  # [nb, in, ob]
         ys = jnp.einsum("mi,bio->bmo", x2, wd, preferred_element_type=jnp.float32)
-    y = jnp.transpose(ys, (1, 0, 2)).reshape(x2.shape[0], w.out)
+        y = jnp.transpose(ys, (1, 0, 2)).reshape(x2.shape[0], w.out)
     return y.reshape(*x.shape[:-1], w.out)
 
 
