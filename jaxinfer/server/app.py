@@ -7,6 +7,8 @@
                                that replay the same prompts: {"freed_blocks": n}
     POST /v1/completions       prompt: a string, a list of strings, token ids or lists of them
     POST /v1/chat/completions  messages rendered with the model's chat template
+    POST /tokenize             vLLM's: a prompt's (or a conversation's) token ids
+    POST /detokenize           vLLM's: the text of token ids, special tokens included
 
 A request with k prompts and n samples is k engine requests (each forking its n samples off the
 prompt's blocks); choice `i * n + j` is sample j of prompt i. Every engine request delivers its
@@ -26,6 +28,7 @@ failed; a streaming response that already started reports that as an error event
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -39,7 +42,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.requests import SamplingError, check_sampling
+from jaxinfer.requests import SamplingError, check_sampling, stop_ids
 from jaxinfer.scoring import score
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
@@ -140,13 +143,16 @@ class _Server:
         return self.engine.call(run)
 
 
-async def _parse(request: Request, srv: _Server, model: type[P.BaseModel], unsupported=()):
-    """The request body as `model`, for the served model, with no `unsupported` field set."""
-    body = await request.body()
+def _validate(body: bytes, model: type[P.BaseModel]):
     try:
-        req = model.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise P.validation_error(e.errors()) from None
+
+
+async def _parse(request: Request, srv: _Server, model: type[P.BaseModel], unsupported=()):
+    """The request body as `model`, for the served model, with no `unsupported` field set."""
+    req = _validate(await request.body(), model)
     srv.check_model(req.model)
     for field in unsupported:
         if getattr(req, field):
@@ -232,8 +238,10 @@ def build_app(
             prompt = [prompt]
         if not prompt:
             raise P.APIError(400, "prompt: must not be empty", "prompt")
-        prompts = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        keep = P.truncation(req, srv.max_model_len, max_tokens)
+        prompts = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
+        prompts = [p[-keep:] for p in prompts] if keep else prompts
         return await _generate(request, srv, req, prompts, max_tokens, P.completion_logprobs(req))
 
     @app.post("/v1/chat/completions")
@@ -242,29 +250,77 @@ def build_app(
         rf = req.response_format
         if rf and rf.get("type", "text") != "text":
             raise P.APIError(400, "response_format: only type 'text'", "response_format")
-        prompts = [encode(tokenizer, P.chat_prompt(req, tokenizer, srv.chat_template))]
         # max_completion_tokens (OpenAI's newer name) wins; 0 is refused, not skipped.
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
+        keep = P.truncation(req, srv.max_model_len, max_tokens)
+        prompt = encode(tokenizer, P.chat_prompt(req, tokenizer, srv.chat_template))
+        prompts = [prompt[-keep:] if keep else prompt]
         if max_tokens is None:
             max_tokens = srv.default_max_tokens(prompts[0])
         logprobs = P.chat_logprobs(req)
         return await _generate(request, srv, req, prompts, max_tokens, logprobs)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.body()
+        try:  # vLLM's two bodies: a conversation has messages
+            raw = json.loads(body)
+        except ValueError:
+            raw = None  # the prompt body's validation names the fault
+        chat = isinstance(raw, dict) and "messages" in raw
+        req = _validate(body, P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest)
+        if req.model is not None:
+            srv.check_model(req.model)
+        if chat:
+            for field in ("continue_final_message", "chat_template", "tools"):
+                if getattr(req, field):
+                    raise P.APIError(400, f"{field}: not supported by this server", field)
+            text = P.chat_prompt(req, tokenizer, srv.chat_template)
+        else:
+            text = req.prompt
+        ids = encode_prompt(tokenizer, text) if req.add_special_tokens else encode(tokenizer, text)
+        strs = [_token_str(tokenizer, t) for t in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": srv.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = _validate(await request.body(), P.DetokenizeRequest)
+        if req.model is not None:
+            srv.check_model(req.model)
+        vocab = srv.engine.engine.cfg.vocab_size  # the ids a prompt may hold
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.APIError(400, f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
+        return {"prompt": decode(tokenizer, req.tokens, skip_special_tokens=False)}
+
     return app
+
+
+def _token_str(tokenizer: Any, tid: int) -> str:
+    """A token as the vocabulary writes it (vLLM's `convert_ids_to_tokens`)."""
+    to_token = getattr(tokenizer, "id_to_token", None)  # tokenizers.Tokenizer
+    if to_token is not None:
+        return to_token(tid)
+    return tokenizer.convert_ids_to_tokens(tid)
 
 
 async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, logprobs):
     chat = isinstance(req, P.ChatCompletionRequest)
     field = "messages" if chat else "prompt"
-    vocab = srv.engine.engine.cfg.vocab_size
-    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n, vocab)
-    stops = P.stop_strings(req)
+    cfg = srv.engine.engine.cfg
+    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n)
+    opts = P.text_options(req, stop_ids(cfg, sp), sp.min_tokens)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
     try:
-        check_sampling(srv.engine.engine.cfg, sp)  # ids in the vocabulary, min_tokens
+        check_sampling(cfg, sp)  # ids in the vocabulary (logit_bias too), min_tokens
     except SamplingError as e:
         raise P.APIError(400, str(e), e.field) from None
     for p in prompts:
@@ -308,13 +364,14 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
 
     n = sp.n
     choices = [
-        R.Choice(i * n + j, srv.tokenizer, prompts[i], stops, sp.min_tokens)
+        R.Choice(i * n + j, srv.tokenizer, prompts[i], opts)
         for i in range(len(prompts))
         for j in range(n)
     ]
     index_of = {rid: i for i, rid in enumerate(rids)}
     live = set(rids)  # engine requests that may still hold blocks
-    prompt_text = [decode(srv.tokenizer, p) for p in prompts] if echo else None
+    skip, spaces = opts.skip_special_tokens, opts.spaces_between_special_tokens
+    prompt_text = [decode(srv.tokenizer, p, skip, spaces) for p in prompts] if echo else None
 
     def apply(items) -> list[tuple[R.Choice, str, list]]:
         """Routes one delivery; returns (choice, text, logprob entries) updates."""

@@ -7,12 +7,22 @@ until the token that completes the character arrives. `StopMatcher` finds stop s
 text, truncates the text before the first match, and while streaming holds back a suffix that is
 still a prefix of some stop string, so a stop string never reaches the client.
 
+`TextOptions` are vLLM's per-request text fields: `include_stop_str_in_output` keeps the matched
+stop string (cut after it, nothing held back, as vLLM) and the text of a stop token (eos or
+`stop_token_ids`), which is otherwise left out of the text as vLLM leaves it out;
+`skip_special_tokens=False` decodes special tokens into the text, and with it
+`spaces_between_special_tokens=False` writes an added token that follows another one as its bare
+content, as vLLM's fast detokenizer does (a decoder that joins tokens with spaces, WordPiece's,
+otherwise puts a space between them; byte-level BPE never does, so there it changes nothing).
+
 Any tokenizer with `encode(text)` (a `tokenizers.Encoding` with `.ids`, or a list of ids) and
 `decode(ids, skip_special_tokens=...)` works: `tokenizers.Tokenizer` and transformers' alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 _CONTEXT = 5  # prompt tokens decoded before the new ones, so leading spaces come out right
@@ -29,25 +39,82 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in (enc.ids if hasattr(enc, "ids") else enc)]
 
 
-def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+@dataclasses.dataclass(frozen=True)
+class TextOptions:
+    """How one choice's token ids become its text: vLLM's SamplingParams fields of these names."""
+
+    stops: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: frozenset[int] = frozenset()  # the request's stop tokens (eos unless ignored)
+    min_tokens: int = 0  # the text of this many first tokens ends no stop string
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+def added_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's added tokens (special or not), the ones vLLM joins without spaces."""
+    get = getattr(tokenizer, "get_added_tokens_decoder", None)  # tokenizers.Tokenizer
+    table = get() if get is not None else getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(int(t) for t in table)
+
+
+def decode(
+    tokenizer: Any,
+    ids: Sequence[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    added: frozenset[int] | None = None,
+) -> str:
+    """The text of `ids`, as vLLM's options ask (see the module docstring).
+
+    Args:
+      tokenizer: any tokenizer with `decode(ids, skip_special_tokens=...)`.
+      ids: token ids.
+      skip_special_tokens: leave special tokens out of the text.
+      spaces_between_special_tokens: False (with skip_special_tokens False): an added token right
+        after another one is decoded on its own, so no separator comes between them.
+      added: `added_token_ids(tokenizer)`, if the caller has it.
+    """
+    ids = list(ids)
+    if skip_special_tokens or spaces_between_special_tokens:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    added = added_token_ids(tokenizer) if added is None else added
+    cuts = [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added]
+    bounds = [0, *cuts, len(ids)]
+    return "".join(
+        tokenizer.decode(ids[a:b], skip_special_tokens=False) for a, b in zip(bounds, bounds[1:])
+    )
 
 
 class IncrementalDetokenizer:
     """Text of generated ids, a UTF-8-complete piece at a time."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        joined = skip_special_tokens or spaces_between_special_tokens
+        self._added = None if joined else added_token_ids(tokenizer)
         self.ids = list(prompt_ids[-_CONTEXT:])  # context, then generated ids
         self.prefix_offset = 0  # start of the decoded window
         self.read_offset = len(self.ids)  # ids before this are in `text`
         self.text = ""
 
+    def _decode(self, ids: list[int]) -> str:
+        skip, spaces = self.skip_special_tokens, self.spaces_between_special_tokens
+        return decode(self.tokenizer, ids, skip, spaces, self._added)
+
     def add(self, new_ids: list[int]) -> str:
         """Appends ids; returns the text they complete ('' while a character is split)."""
         self.ids.extend(new_ids)
-        prefix = decode(self.tokenizer, self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.tokenizer, self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new = full[len(prefix) :]
@@ -57,8 +124,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still held (a split character as U+FFFD)."""
-        prefix = decode(self.tokenizer, self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.tokenizer, self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         new = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += new
@@ -68,9 +135,10 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Stop-string state of one sample: `push` text, get what may be shown."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.text = ""  # everything pushed, up to the first stop string (excluded)
+    def __init__(self, stops: Sequence[str], include_in_output: bool = False):
+        self.stops = list(stops)
+        self.include = include_in_output  # keep the stop string: nothing to hold back (vLLM)
+        self.text = ""  # everything pushed, up to the first stop string (kept if `include`)
         self.shown = 0  # characters of `text` released to the client
         self.floor = 0  # a stop string must end past this many characters (min_tokens)
         self.stopped = False
@@ -85,15 +153,17 @@ class StopMatcher:
         if protected:
             self.floor = len(self.text)
             return
-        found = (self.text.find(s, max(start, self.floor - len(s) + 1)) for s in self.stops)
-        hits = [i for i in found if i >= 0]
+        found = ((self.text.find(s, max(start, self.floor - len(s) + 1)), s) for s in self.stops)
+        hits = [(i, i + len(s)) for i, s in found if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            # Cut before the stop string that starts first or, keeping it, after the one that
+            # ends first: either way no text past a complete stop string.
+            self.text = self.text[: min(end for _, end in hits) if self.include else min(hits)[0]]
             self.stopped = True
 
     def _holdback(self) -> int:
         """Length of the longest suffix of `text` that some stop string starts with."""
-        if self.stopped:
+        if self.stopped or self.include:
             return 0
         for k in range(
             min(len(self.text), max((len(s) for s in self.stops), default=1) - 1), 0, -1

@@ -2,11 +2,13 @@
 chat request's prompt (its messages rendered by the chat template).
 
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids`). Types are strict: a string where a number belongs, a float where
-an int belongs, or a bool where a number belongs is a 400 naming the field; unknown fields are
-ignored (clients send vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias`
-(OpenAI), `repetition_penalty`, `min_tokens` and `allowed_token_ids` (vLLM) map to the engine's
-penalties and masks (`jaxinfer.penalties`). Known fields that change the output but that the
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`spaces_between_special_tokens`, `truncate_prompt_tokens`, and its `/tokenize` and `/detokenize`
+bodies). Types are strict: a string where a number belongs, a float where an int belongs, or a
+bool where a number belongs is a 400 naming the field; unknown fields are ignored (clients send
+vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI),
+`repetition_penalty`, `min_tokens` and `allowed_token_ids` (vLLM) map to the engine's penalties
+and masks (`jaxinfer.penalties`). Known fields that change the output but that the
 engine does not implement (`best_of` other than n, `suffix`, tools, vLLM's guided decoding and
 others: `UNIMPLEMENTED`) are accepted only at their neutral value and refused by name otherwise.
 
@@ -26,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxinfer.chat import apply_chat_template
 from jaxinfer.checks import INT32_MAX
 from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
+from jaxinfer.server.detokenizer import TextOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
 # The roles of OpenAI's chat messages; content may be null or absent only where its types allow
@@ -97,6 +100,11 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     min_tokens: int | None = None  # vLLM extension; no stop token or string before this many
     allowed_token_ids: list[int] | None = None  # vLLM extension; the only ids sampled
+    # vLLM extensions of the text (None: vLLM's default, False / True / True).
+    include_stop_str_in_output: bool | None = None  # keep the stop string / stop token's text
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: all that fit
     # Known, accepted only at their neutral value (UNIMPLEMENTED below).
     best_of: int | None = None
     user: str | None = None
@@ -109,9 +117,7 @@ class _Sampling(_Strict):
     logits_processors: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
+    truncation_side: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -128,19 +134,52 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None  # a list: text parts, checked by chat_messages
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatInput(_Strict):
+    """A conversation for the chat template (chat_prompt)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling, ChatInput):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's POST /tokenize body of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's post-processor (a BOS), as a completion
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatInput):
+    """vLLM's POST /tokenize body of a conversation, rendered as /v1/chat/completions renders it."""
+
+    model: str | None = None
+    add_special_tokens: bool = False  # the template writes them
+    return_token_strs: bool | None = False
+    # vLLM's, not built here: refused unless neutral (the chat route's own answer to each).
+    continue_final_message: bool = False
+    chat_template: Any = None
+    tools: Any = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize body."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # Fields of OpenAI's API or vLLM's extensions that change what is generated and that this server
@@ -156,9 +195,7 @@ UNIMPLEMENTED = {
     "logits_processors": lambda v: not v,
     "use_beam_search": lambda v: v is None or v is False,
     "prompt_logprobs": lambda v: v is None,
-    "truncate_prompt_tokens": lambda v: v is None,
-    "include_stop_str_in_output": lambda v: v is None or v is False,
-    "skip_special_tokens": lambda v: v is None or v is True,
+    "truncation_side": lambda v: v is None or v == "left",  # vLLM's; truncate_prompt_tokens's
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: not v,
     "function_call": lambda v: v is None or v == "none",
@@ -186,15 +223,15 @@ def _check_neutral(req: _Sampling) -> None:
             raise _bad(field, f"{shown(value)} is not supported by this server")
 
 
-def logit_bias(req: _Sampling, vocab_size: int) -> dict[int, float]:
-    """`logit_bias` with int keys; raises APIError(400) naming a key that is not a token id of
-    the vocabulary (OpenAI's keys are token ids written as strings)."""
+def logit_bias(req: _Sampling) -> dict[int, float]:
+    """`logit_bias` with int keys; raises APIError(400) naming a key that is not a token id
+    (OpenAI's keys are token ids written as strings). The vocabulary bound is
+    `jaxinfer.requests.check_sampling`'s, a 400 naming `logit_bias` too."""
     out = {}
     for key, bias in (req.logit_bias or {}).items():
-        tid = int(key) if re.fullmatch(r"\d{1,10}", key.strip()) else None
-        if tid is None or tid >= vocab_size:
-            raise _bad("logit_bias", f"key {shown(key)} is not a token id in [0, {vocab_size})")
-        out[tid] = bias
+        if not re.fullmatch(r"\d{1,10}", key.strip()):
+            raise _bad("logit_bias", f"key {shown(key)} is not a token id (an int >= 0)")
+        out[int(key)] = bias
     return out
 
 
@@ -205,8 +242,46 @@ def stop_strings(req: _Sampling) -> list[str]:
     return list(stop)
 
 
+def text_options(req: _Sampling, stop_token_ids: tuple[int, ...], min_tokens: int) -> TextOptions:
+    """How the request's token ids become text (vLLM's defaults where a field is absent)."""
+    return TextOptions(
+        stops=tuple(stop_strings(req)),
+        stop_token_ids=frozenset(stop_token_ids),
+        min_tokens=min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output is True,
+        skip_special_tokens=req.skip_special_tokens is not False,
+        spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+    )
+
+
+def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> int | None:
+    """How many last prompt tokens `truncate_prompt_tokens` keeps (None: all), as vLLM: -1 is
+    the context left for max_tokens, any k >= 1 at most that; raises APIError(400) naming it.
+
+    Args:
+      req: the parsed request.
+      max_model_len: the served context.
+      max_tokens: the request's own limit (None: a chat request without one).
+    """
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return None
+    room = max_model_len - (max_tokens or 0)  # vLLM's max_input_tokens
+    if k == -1:
+        return max(room, 1)  # room < 1: max_tokens alone overflows, a 400 naming it follows
+    if k < 1:
+        raise _bad("truncate_prompt_tokens", f"{k} must be -1 (all that fit) or an int >= 1")
+    if k > room >= 1:
+        raise _bad(
+            "truncate_prompt_tokens",
+            f"{k} is more than max_model_len {max_model_len} - max_tokens {max_tokens or 0} = "
+            f"{room} prompt tokens",
+        )
+    return k
+
+
 def sampling_params(
-    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int
+    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
 ) -> SamplingParams:
     """The engine's SamplingParams of a request; raises APIError(400) naming the bad field.
 
@@ -215,7 +290,6 @@ def sampling_params(
       max_tokens: the resolved token limit (the request's, or the default).
       logprobs: None, or how many top alternatives per token to return.
       max_n: the most parallel samples the engine runs (its max_num_seqs).
-      vocab_size: the model's vocabulary (`logit_bias` keys must lie in it).
     """
     _check_neutral(req)
     if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
@@ -269,7 +343,7 @@ def sampling_params(
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias(req, vocab_size),
+            logit_bias=logit_bias(req),
             min_tokens=0 if req.min_tokens is None else req.min_tokens,
             allowed_token_ids=req.allowed_token_ids,
         )
@@ -307,7 +381,7 @@ def _content_text(param: str, parts: list) -> str:
     return "\n".join(texts)  # as vLLM joins a message's text parts
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatInput) -> list[dict]:
     """The messages as template input (text parts joined); raises APIError(400) naming
     `messages.i.role` or `messages.i.content`."""
     messages = []
@@ -330,7 +404,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, chat_template: str | None) -> str:
+def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> str:
     """The request's conversation rendered by the chat template; raises APIError(400) naming
     `messages` (or one message's field, see chat_messages) or `chat_template_kwargs`.
 

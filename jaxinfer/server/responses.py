@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jaxinfer.server.detokenizer import IncrementalDetokenizer, StopMatcher
+from jaxinfer.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextOptions
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -32,13 +32,13 @@ BYTES = _byte_decoder()
 class Choice:
     """The text, tokens and logprobs of one choice as they stream in."""
 
-    def __init__(
-        self, index: int, tokenizer, prompt: list[int], stops: list[str], min_tokens: int = 0
-    ):
+    def __init__(self, index: int, tokenizer, prompt: list[int], options: TextOptions):
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt)
-        self.stop = StopMatcher(stops)
-        self.min_tokens = min_tokens  # the text of this many first tokens ends no stop string
+        self.options = options
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt, options.skip_special_tokens, options.spaces_between_special_tokens
+        )
+        self.stop = StopMatcher(options.stops, options.include_stop_str_in_output)
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, float, tuple]] = []  # (id, logprob, top)
         self.finished = False
@@ -49,14 +49,19 @@ class Choice:
         """A StreamOutput of this choice -> (text to send, its new logprob entries)."""
         if self.finished:
             return "", []
+        opts = self.options
         ids = list(out.new_token_ids)
-        k = min(len(ids), max(0, self.min_tokens - len(self.token_ids)))  # protected ids
+        text_ids = ids  # the stop token that ended the sample is counted, not shown (vLLM)
+        stop_token = out.finish_reason == "stop" and ids and ids[-1] in opts.stop_token_ids
+        if stop_token and not opts.include_stop_str_in_output:
+            text_ids = ids[:-1]
+        k = min(len(text_ids), max(0, opts.min_tokens - len(self.token_ids)))  # protected ids
         self.token_ids += ids
         entries = [(t, lp, top) for t, (lp, top) in zip(ids, out.logprobs or ())]
         self.logprobs += entries
         if k:
-            self.stop.push(self.detok.add(ids[:k]), protected=True)
-        piece = self.detok.add(ids[k:]) if k < len(ids) else ""
+            self.stop.push(self.detok.add(text_ids[:k]), protected=True)
+        piece = self.detok.add(text_ids[k:]) if k < len(text_ids) else ""
         if out.finished:
             piece += self.detok.flush()
         self.stop.push(piece)

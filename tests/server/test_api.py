@@ -160,6 +160,8 @@ def test_min_tokens_and_allowed_token_ids_equal_generate(model, client):
         body = dict(sp, logit_bias={str(k): v for k, v in sp.get("logit_bias", {}).items()})
         r = client.completions.create(**kw, extra_body=body)
         out, text = _reference(model, ids, 24, **sp)
+        if reason == "stop":  # the stop token's text is not in the output, as vLLM's default
+            text = tok.decode(out.token_ids[:-1], skip_special_tokens=True)
         assert r.choices[0].text == text and r.choices[0].finish_reason == reason, sp
         assert r.usage.completion_tokens == len(out.token_ids), sp
     assert len(out.token_ids) == 6 and out.token_ids[-1] == first  # the last case: 5, then stop
@@ -289,6 +291,8 @@ BAD = [
     ("logit_bias", {"logit_bias": {"one": 5.0}}),
     ("logit_bias", {"logit_bias": {"-1": 5.0}}),
     ("logit_bias", {"logit_bias": {str(10**6): 5.0}}),  # beyond the vocabulary
+    ("logit_bias", {"logit_bias": {"4096": 5.0}}),  # the first id beyond it (check_sampling's)
+    ("logit_bias", {"logit_bias": {"9999999999": 5.0}}),  # beyond int32 (SamplingParams')
     ("logit_bias.1", {"logit_bias": {"1": "5"}}),
     ("best_of", {"best_of": 3}),
     ("user", {"user": 5}),
@@ -326,10 +330,17 @@ BAD = [
     ("structured_outputs", {"structured_outputs": {"choice": ["a"]}}),
     ("use_beam_search", {"use_beam_search": True}),
     ("prompt_logprobs", {"prompt_logprobs": 1}),
-    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 8}),
-    ("include_stop_str_in_output", {"include_stop_str_in_output": True}),
-    ("skip_special_tokens", {"skip_special_tokens": False}),
+    ("truncation_side", {"truncate_prompt_tokens": 2, "truncation_side": "right"}),
     ("logits_processors", {"logits_processors": ["m.f"]}),
+    # vLLM's text extensions, built: their bad values.
+    ("include_stop_str_in_output", {"include_stop_str_in_output": "yes"}),
+    ("skip_special_tokens", {"skip_special_tokens": 0}),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": "no"}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 2.5}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": True}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 1009}),  # > 1024 - max_tokens 16
 ]
 
 
@@ -371,6 +382,8 @@ CHAT_BAD = [
     ("function_call", {"function_call": "auto"}),
     ("modalities", {"modalities": ["text", "audio"]}),
     ("chat_template_kwargs.tools", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 1021, "max_tokens": 4}),  # > 1020
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
 ]
 
 
