@@ -4,8 +4,10 @@ r"""Generates a completion of one prompt with a Hugging Face checkpoint director
     python -m experiments.generate --prompt="import os" --temperature=0.8 --top_p=0.95
     python -m experiments.generate --model=smollm2-135m --repetition_penalty=1.2
     python -m experiments.generate --model=smollm2-135m --min_tokens=48
+    python -m experiments.generate --model=smollm2-135m --bad_words_ids="198;260,260"
 
-Without --model it uses the shipped target model (jaxinfer.models.path("target")).
+(SmolLM2's 198 is a newline, 260 " the": no newline, no " the the".) Without --model it uses
+the shipped target model (jaxinfer.models.path("target")).
 Prints the text, the token ids, tokens/s and the achieved weight bandwidth (GB/s: the weights
 are read once a decode step), timed on a second, already compiled call. With --workdir it
 writes config.json and results.json there (rerun with --config=<workdir>/config.json).
@@ -35,6 +37,10 @@ _PRESENCE = flags.DEFINE_float("presence_penalty", 0.0, "0 = off; in [-2, 2].")
 _MIN_TOKENS = flags.DEFINE_integer(
     "min_tokens", 0, "No eos or stop token before this many tokens; 0 = off.", lower_bound=0
 )
+_BAD_WORDS = flags.DEFINE_string(
+    "bad_words_ids", "", "Banned token-id sequences, ';' between them and ',' inside: '7;3,5' "
+    "bans 7, and 5 after 3, in the output (vLLM's bad_words rule); empty = off.",
+)  # fmt: skip
 _BACKEND = flags.DEFINE_enum("backend", "auto", ji.ops.BACKENDS, "Attention backend.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Optional: write config.json, results.json here.")
 _CONFIG = common.config_flag()
@@ -44,6 +50,29 @@ flag_checks.number(_MIN_P, min_value=0.0, max_value=1.0)
 flag_checks.number(_REPETITION, min_value=0.01, max_value=100.0)
 flag_checks.number(_FREQUENCY, min_value=-2.0, max_value=2.0)
 flag_checks.number(_PRESENCE, min_value=-2.0, max_value=2.0)
+
+
+def _bans(text: str) -> list[tuple[int, ...]]:
+    """`--bad_words_ids` as id sequences; raises ValueError naming the bad part."""
+    bans = []
+    for part in filter(None, text.split(";")):
+        try:
+            bans.append(tuple(int(t) for t in part.split(",")))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a ','-separated list of token ids") from None
+    ji.SamplingParams(bad_words_ids=bans)  # its own checks: ids >= 0, counts, lengths
+    return bans
+
+
+def _check_bans(text: str) -> bool:
+    try:
+        _bans(text)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
+
+
+flags.register_validator("bad_words_ids", _check_bans)
 flags.register_multi_flags_validator(
     ["min_tokens", "max_tokens"], lambda f: f["min_tokens"] <= f["max_tokens"],
     message="--min_tokens must be <= --max_tokens",
@@ -66,6 +95,7 @@ def main(argv):
         min_p=_MIN_P.value, max_tokens=_MAX_TOKENS.value, seed=_SEED.value,
         repetition_penalty=_REPETITION.value, frequency_penalty=_FREQUENCY.value,
         presence_penalty=_PRESENCE.value, min_tokens=_MIN_TOKENS.value,
+        bad_words_ids=_bans(_BAD_WORDS.value),
     )  # fmt: skip
     t0 = time.perf_counter()
     out = ji.generate(cfg, params, [ids], sp, backend=_BACKEND.value)[0]

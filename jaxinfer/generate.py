@@ -35,7 +35,7 @@ from jaxinfer.distributed.sharding import prepare as prepare_tp
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout, remembered_loop_layout
 from jaxinfer.ops.backend import resolve_backend, resolve_platform
-from jaxinfer.penalties import PenaltyBatch, add_tokens, apply_penalties, history_counts
+from jaxinfer.penalties import PenaltyBatch, add_tokens, apply_penalties, history_counts, push_tail
 from jaxinfer.requests import (  # noqa: F401  (GenerationOutput, stop_table, validate_requests:
     GenerationOutput,  # re-exported where users import them from since before requests.py)
     check_pad_to,
@@ -63,10 +63,11 @@ class DecodeState:
     stopped: jax.Array  # [B] bool finished on a stop token (finish reason "stop")
     failed: jax.Array  # [B] bool finished on non-finite logits (finish reason "error")
     step: jax.Array  # [] int32 tokens sampled per live row so far: 1 after the prefill
-    # With penalties only (None otherwise): each row's output token counts and the tokens of its
-    # prompt or output (`jaxinfer.penalties`).
+    # With penalties only (None otherwise): each row's output token counts, the tokens of its
+    # prompt or output and its output's last P tokens (`jaxinfer.penalties`).
     counts: jax.Array | None = None  # [B, V] int32
     seen: jax.Array | None = None  # [B, V] bool
+    tail: jax.Array | None = None  # [B, P] int32, -1 before the first output token
 
 
 @functools.partial(
@@ -96,21 +97,23 @@ def _generate_core(
     if mesh is not None:  # split over KV heads like the params (jaxinfer.distributed)
         cache = constrain_cache(cfg, cache, mesh)
     logits, cache = forward(params, cfg, prefill, cache, backend=backend)  # [B, V]
-    counts = seen = None
+    counts = seen = tail = None
     if penalties is not None:
         pb, prompt_ids = penalties
         counts, seen = history_counts(prompt_ids, prompt_lens, cfg.vocab_size)  # [B, V] x2
+        tail = jnp.full((b, pb.tail_width), -1, jnp.int32)  # [B, P] no output yet
 
-    def penalized(logits, counts, seen):  # [B, V]: what `sample` reads
-        return logits if penalties is None else apply_penalties(logits, pb, counts, seen)
+    def penalized(logits, counts, seen, tail):  # [B, V]: what `sample` reads
+        return logits if penalties is None else apply_penalties(logits, pb, counts, seen, tail)
 
     # The token at position prompt_len.
-    first = sample(penalized(logits[:b], counts, seen), sb, prompt_lens)
+    first = sample(penalized(logits[:b], counts, seen, tail), sb, prompt_lens)
     # A row whose prefill logits are not finite fails at once and emits nothing.
     failed = (max_tokens > 0) & ~finite_rows(logits[:b])  # [B]
     n_out, stopped, done = start_flags(first, max_tokens, stops, failed)
     if penalties is not None:
         counts, seen = add_tokens(counts, seen, first, n_out > 0)
+        tail = push_tail(tail, first, n_out > 0)
     state = DecodeState(
         cache=cache,
         last=first,
@@ -123,6 +126,7 @@ def _generate_core(
         step=jnp.int32(1),
         counts=counts,
         seen=seen,
+        tail=tail,
     )
 
     def cond(st: DecodeState):
@@ -134,12 +138,13 @@ def _generate_core(
         # `last` sits at position `lens`: write it, attend over lens + 1, sample position lens+1.
         batch = decode_batch(st.last, st.lens, tables, block_size)
         logits, cache = forward(params, cfg, batch, st.cache, backend=backend)  # [B, V]
-        new = sample(penalized(logits, st.counts, st.seen), sb, st.lens + 1)  # [B]
+        new = sample(penalized(logits, st.counts, st.seen, st.tail), sb, st.lens + 1)  # [B]
         bad = ~st.done & ~finite_rows(logits)  # stop 1: non-finite logits, nothing emitted
         live = ~st.done & ~bad
-        counts, seen = st.counts, st.seen
+        counts, seen, tail = st.counts, st.seen, st.tail
         if penalties is not None:
             counts, seen = add_tokens(counts, seen, new, live)
+            tail = push_tail(tail, new, live)
         at = jnp.minimum(st.n_out, max_new - 1)  # [B] the next output slot (clamped when done)
         out = st.out.at[rows, at].set(jnp.where(live, new, st.out[rows, at]))
         n_out = st.n_out + live
@@ -158,6 +163,7 @@ def _generate_core(
             step=st.step + 1,
             counts=counts,
             seen=seen,
+            tail=tail,
         )
 
     st = jax.lax.while_loop(cond, body, state)

@@ -85,8 +85,8 @@ def validate_requests(
     """Checks prompts and sampling params; returns one SamplingParams per prompt.
 
     Raises ValueError naming the bad value: no prompts, an empty prompt, a token id outside the
-    vocabulary, a stop token, logit_bias or allowed token id outside the vocabulary, min_tokens
-    with only stop tokens allowed, prompt + max_tokens beyond
+    vocabulary, a stop token, logit_bias, allowed or banned token id outside the vocabulary,
+    bans or min_tokens that leave nothing to sample (`check_sampling`), prompt + max_tokens beyond
     max_position_embeddings, a sampling list of the wrong length, n != 1. A prompt is a list,
     tuple, numpy or jax array of integer token ids.
     """
@@ -159,26 +159,49 @@ class SamplingError(ValueError):
 def check_sampling(cfg: ModelConfig, sp: SamplingParams, where: str = "") -> None:
     """The checks of one SamplingParams that need the model (its vocabulary and eos).
 
-    Raises SamplingError (a ValueError) naming `{where}{field}`: a stop token, logit_bias or
-    allowed token id outside the vocabulary, or min_tokens with only stop tokens allowed.
+    Raises SamplingError (a ValueError) naming `{where}{field}`: a stop token, logit_bias,
+    allowed or banned token id outside the vocabulary, one-token bad_words_ids that ban every
+    token allowed, or min_tokens with only stop tokens allowed (and not banned).
+
+    Longer bans can still leave nothing to sample after some outputs (allowed (1, 2), banned
+    (2,) and (1, 1)); that depends on the output and is not checked, as in vLLM.
     """
     v = cfg.vocab_size
     for field, ids in (
         ("stop_token_ids", sp.stop_token_ids),
         ("logit_bias", [t for t, _ in sp.logit_bias]),
         ("allowed_token_ids", sp.allowed_token_ids or ()),
+        ("bad_words_ids", [t for w in sp.bad_words_ids for t in w]),
     ):
         beyond = [t for t in ids if t >= v]
         if beyond:
             raise SamplingError(
                 field, f"{where}{field} has token id {beyond[0]}, outside the vocabulary [0, {v})"
             )
-    if sp.min_tokens and sp.allowed_token_ids is not None:
-        if set(sp.allowed_token_ids) <= set(stop_ids(cfg, sp)):
+    # What may ever be sampled: the allowed tokens (None: all V) less the one-token bans.
+    banned = {w[0] for w in sp.bad_words_ids if len(w) == 1}
+    allowed = sp.allowed_token_ids
+    left = None if allowed is None else set(allowed) - banned  # None: V - len(banned) tokens
+    if (len(banned) >= v) if left is None else not left:
+        what = "every token" if allowed is None else f"every allowed_token_ids {list(allowed)}"
+        raise SamplingError(
+            "bad_words_ids",
+            f"{where}bad_words_ids {[list(w) for w in sp.bad_words_ids if len(w) == 1]} ban "
+            f"{what}, so nothing may be sampled",
+        )
+    if sp.min_tokens:
+        stops = set(stop_ids(cfg, sp))
+        if allowed is not None and set(allowed) <= stops:
             raise SamplingError(
                 "allowed_token_ids",
-                f"{where}allowed_token_ids {list(sp.allowed_token_ids)} are all stop tokens, so "
-                f"nothing may be sampled before min_tokens={sp.min_tokens}",
+                f"{where}allowed_token_ids {list(allowed)} are all stop tokens, so nothing may "
+                f"be sampled before min_tokens={sp.min_tokens}",
+            )
+        if (len(banned | stops) >= v) if left is None else left <= stops:
+            raise SamplingError(
+                "bad_words_ids",
+                f"{where}bad_words_ids ban every token that is not a stop token {sorted(stops)}"
+                f", so nothing may be sampled before min_tokens={sp.min_tokens}",
             )
 
 

@@ -60,8 +60,14 @@ class SamplingParams:
         max_tokens; 0 turns it off.
       allowed_token_ids: None, or the only token ids that may be sampled (vLLM's
         `allowed_token_ids`); a non-empty set, stored sorted.
+      bad_words_ids: banned token sequences (transformers' `bad_words_ids`, vLLM's `bad_words`
+        once tokenized), a tuple of non-empty tuples of token ids kept in order (None: none):
+        a sequence w of one token is never sampled; a longer one's last token is not sampled
+        where the output ends with w[:-1] (the output only, not the prompt, as vLLM). At most
+        MAX_BAD_WORDS sequences of at most MAX_BAD_WORD_LEN tokens (the step's tables grow
+        with both).
 
-    The penalties, the bias and the two masks act on the logits before temperature
+    The penalties, the bias and the three masks act on the logits before temperature
     (`jaxinfer.penalties`), in vLLM's order: bias, repetition, frequency and presence, then the
     masks. They change greedy rows too.
     """
@@ -82,6 +88,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         def bad(field, expected):
@@ -126,6 +133,7 @@ class SamplingParams:
             if not allowed:
                 bad("allowed_token_ids", "None or a non-empty sequence of token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        object.__setattr__(self, "bad_words_ids", _bad_words(self.bad_words_ids))
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +152,17 @@ class SamplingParams:
         ids = np.array([t for t, _ in self.logit_bias], np.int32)
         return ids, np.array([b for _, b in self.logit_bias], np.float32)
 
+    @functools.cached_property  # read for every engine step: converted once
+    def bad_words_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`bad_words_ids` as `([N, P] int32 prefixes, [N] int32 last tokens)`: each prefix
+        w[:-1] right-aligned in P = the longest prefix (at least 1) slots, the slots before it
+        holding -1 (any token)."""
+        words = self.bad_words_ids
+        prefix = np.full((len(words), max([len(w) - 1 for w in words] + [1])), -1, np.int32)
+        for i, w in enumerate(words):
+            prefix[i, prefix.shape[1] - len(w) + 1 :] = w[:-1]
+        return prefix, np.array([w[-1] for w in words], np.int32)
+
     @functools.cached_property  # read for every row of every engine step
     def penalized(self) -> bool:
         """Whether a penalty, a logit bias or a mask is on (the step then needs the history)."""
@@ -151,9 +170,14 @@ class SamplingParams:
 
 
 PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                  "min_tokens", "allowed_token_ids")  # fmt: skip
+                  "min_tokens", "allowed_token_ids", "bad_words_ids")  # fmt: skip
 _NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                    "logit_bias": (), "min_tokens": 0, "allowed_token_ids": None}  # fmt: skip
+                    "logit_bias": (), "min_tokens": 0, "allowed_token_ids": None,
+                    "bad_words_ids": ()}  # fmt: skip
+# bad_words_ids: each step's tables are [B, bucket(count), bucket(longest - 1)] per row, and
+# vLLM's tokenized words are a few tokens each.
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_LEN = 32
 
 
 def _token_ids(sp: SamplingParams, field: str) -> tuple[int, ...]:
@@ -168,6 +192,45 @@ def _token_ids(sp: SamplingParams, field: str) -> tuple[int, ...]:
         raise ValueError(msg) from None
     if not all(t is not None and 0 <= t <= INT32_MAX for t in out):
         raise ValueError(msg)
+    return tuple(out)
+
+
+def _bad_words(words) -> tuple[tuple[int, ...], ...]:
+    """`bad_words_ids` as a tuple of tuples of Python ints; raises ValueError naming the bad
+    entry."""
+    expected = (
+        f"a sequence of at most {MAX_BAD_WORDS} non-empty sequences of at most "
+        f"{MAX_BAD_WORD_LEN} token ids in [0, 2**31)"
+    )
+
+    def bad(what):
+        raise ValueError(
+            f"SamplingParams.bad_words_ids={words!r} is invalid: {what}expected {expected}"
+        )
+
+    def seq(x) -> bool:  # a flat sequence, not a string or a number
+        kind = isinstance(x, Sequence | np.ndarray | jax.Array) and not isinstance(x, str | bytes)
+        return kind and getattr(x, "ndim", 1) == 1
+
+    if words is None:  # as transformers' default: no bans
+        return ()
+    if getattr(words, "ndim", None) == 2:  # a [N, L] array: N sequences of L ids
+        words = list(words)
+    if not seq(words):
+        bad("")
+    if len(words) > MAX_BAD_WORDS:
+        bad(f"{len(words)} sequences; ")
+    out = []
+    for w in words:
+        if not seq(w) or len(w) == 0:
+            bad(f"entry {w!r} is not a non-empty sequence of token ids; ")
+        if len(w) > MAX_BAD_WORD_LEN:
+            bad(f"entry {w!r} has {len(w)} tokens; ")
+        ids = [as_int(t) for t in w]
+        for t, i in zip(w, ids):
+            if i is None or not 0 <= i <= INT32_MAX:
+                bad(f"token id {t!r} of entry {w!r}; ")
+        out.append(tuple(ids))
     return tuple(out)
 
 

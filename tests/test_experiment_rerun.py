@@ -61,7 +61,8 @@ RERUNS = {
     "sim_h200": (["--tp=1,2", "--rates=2,8", "--num_requests=20", "--output_len=16"], None),
     "quantize": (["--model=target", "--method=rtn", "--bits=8", "--group_size=-1",
                   "--calib_samples=2", "--calib_len=32"], None),
-    "generate": (["--model=target", "--max_tokens=6", "--prompt=def f(x):"], None),
+    "generate": (["--model=target", "--max_tokens=6", "--prompt=def f(x):",
+                  "--bad_words_ids=7;3,5"], None),
 }  # fmt: skip
 
 

@@ -16,10 +16,10 @@ A step with speculation (`EngineConfig.speculative`):
    the device: the target's own token at every verified position (`sampling.sample`: greedy, or
    the Gumbel noise of `ji.generate` — the coupled mode, `acceptance._match_target`), or exact
    rejection sampling (`acceptance._rejection_sample_with_noise`) for sampled rows in "rejection"
-   mode. Penalties and the logit bias act on every verified position, with the drafts before
-   it counted in its history (`penalties.with_drafts`). Each request commits 1..γ+1 tokens;
-   `Scheduler.update` cuts them at stop tokens and max_tokens, and rejected slots are
-   overwritten by later writes.
+   mode. Penalties, the logit bias and the masks act on every verified position, with the drafts
+   before it counted in its history (`penalties.with_drafts`, `penalties.tails_at_drafts`).
+   Each request commits 1..γ+1 tokens; `Scheduler.update` cuts them at stop tokens and
+   max_tokens, and rejected slots are overwritten by later writes.
 
 The draft model's cache shares the target's block tables: the same block ids index a second
 cache array of the draft's shape. Allocation, prefix caching, copy-on-write, preemption and the
@@ -55,7 +55,7 @@ from jaxinfer.engine import head_drafting
 from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.step import Penalties, padded_shape, penalty_inputs
 from jaxinfer.model.decoder import forward
-from jaxinfer.penalties import apply_at_drafts, history_counts
+from jaxinfer.penalties import apply_at_drafts, history_counts, output_tail
 from jaxinfer.sampling import SamplingBatch, probs, sample
 from jaxinfer.speculative.acceptance import (
     _leading_true,
@@ -151,7 +151,9 @@ def _verify(
     live = jnp.arange(g - 1)[None, :] < gam[:, None]  # [R, G-1] drafted positions
     if pen is not None:  # each position's history holds the drafts before it (`with_drafts`)
         hist = history_counts(pen.history, pen.num_prompt, x.shape[-1])  # [R, V] x2
-        x = apply_at_drafts(x.reshape(r, g, -1), pen.pb, *hist, draft, live).reshape(r * g, -1)
+        tail = output_tail(pen.history, pen.num_prompt, pen.pb.tail_width)  # [R, P]
+        x = apply_at_drafts(x.reshape(r, g, -1), pen.pb, *hist, tail, draft, live)
+        x = x.reshape(r * g, -1)
     # The target's own token at every position: exactly what plain decoding samples there.
     target = sample(x, flat_sb, pos.reshape(-1), jnp.repeat(index, g)).reshape(r, g)
     n = _leading_true((draft == target[:, :-1]) & live) + 1  # [R]

@@ -23,7 +23,7 @@ from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.head_drafting import HeadPool, copy_pool_blocks
 from jaxinfer.engine.scheduler import Schedule
 from jaxinfer.model.decoder import forward
-from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts
+from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts, output_tail
 from jaxinfer.sampling import SamplingBatch, SamplingParams, sample
 
 
@@ -63,7 +63,8 @@ def _penalized(rows: jax.Array, pen: Penalties | None) -> jax.Array:
     if pen is None:
         return rows
     counts, seen = history_counts(pen.history, pen.num_prompt, rows.shape[-1])  # [B, V] x2
-    return apply_penalties(rows, pen.pb, counts, seen)
+    tail = output_tail(pen.history, pen.num_prompt, pen.pb.tail_width)  # [B, P]
+    return apply_penalties(rows, pen.pb, counts, seen, tail)
 
 
 def _token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):

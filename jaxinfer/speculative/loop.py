@@ -44,7 +44,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model.decoder import forward
 from jaxinfer.model.params import check_params, loop_layout
 from jaxinfer.ops.backend import resolve_backend, resolve_platform
-from jaxinfer.penalties import PenaltyBatch, apply_at_drafts, history_counts
+from jaxinfer.penalties import PenaltyBatch, apply_at_drafts, history_counts, output_tail
 from jaxinfer.requests import (
     GenerationOutput,
     new_tokens_bucket,
@@ -121,14 +121,16 @@ class SpecInputs:
 
 def _penalized(logits: jax.Array, hist: jax.Array, upto: jax.Array, drafts, inputs: SpecInputs):
     """`logits [B, G, V]` with each row's penalties: position j's history is the committed
-    tokens before `upto` (`hist [B, C]`) and `drafts [B, G-1]` 0..j-1 (`penalties.with_drafts`).
-    Without penalties, the logits as they are."""
-    if inputs.penalties is None:
+    tokens before `upto` (`hist [B, C]`) and `drafts [B, G-1]` 0..j-1 (`penalties.with_drafts`,
+    `penalties.tails_at_drafts`). Without penalties, the logits as they are."""
+    pb = inputs.penalties
+    if pb is None:
         return logits
     h = jnp.where(jnp.arange(hist.shape[1])[None, :] < upto[:, None], hist, -1)  # [B, C]
     counts, seen = history_counts(h, inputs.prompt_lens, logits.shape[-1])  # [B, V]
+    tail = output_tail(h, inputs.prompt_lens, pb.tail_width)  # [B, P]
     live = jnp.ones(drafts.shape, jnp.bool_)
-    return apply_at_drafts(logits, inputs.penalties, counts, seen, drafts, live)
+    return apply_at_drafts(logits, pb, counts, seen, tail, drafts, live)
 
 
 @jax.tree_util.register_dataclass

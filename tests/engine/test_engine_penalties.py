@@ -1,10 +1,10 @@
-"""Penalties, logit bias and the masks (min_tokens, allowed_token_ids) in the engine: the same
-tokens as `ji.generate` under preemption, prefix caching and chunked prefill, with and without
-speculation; forks penalized by their own histories; rejection sampling exact against the
-penalized law. The step's history is rebuilt from the scheduler's sequences each step, so these
-are the cases where it could go wrong: a recomputed (preempted) sequence, a prompt split over
-chunks, a prompt served from the prefix cache, the n samples of one request, the drafts before a
-verified position."""
+"""Penalties, logit bias and the masks (min_tokens, allowed_token_ids, bad_words_ids) in the
+engine: the same tokens as `ji.generate` under preemption, prefix caching and chunked prefill,
+with and without speculation; forks penalized by their own histories; rejection sampling exact
+against the penalized law. The step's history is rebuilt from the scheduler's sequences each
+step, so these are the cases where it could go wrong: a recomputed (preempted) sequence, a
+prompt split over chunks, a prompt served from the prefix cache, the n samples of one request,
+a request resumed with `num_generated`, the drafts before a verified position."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
-from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts
+from jaxinfer.penalties import PenaltyBatch, apply_penalties, history_counts, output_tail
 from jaxinfer.sampling import SamplingBatch, process_logits
 from tests.engine.test_spec_engine import _pvalue
 from tests.helpers import random_params
-from tests.test_penalties import reference_penalties
+from tests.test_penalties import _contains, reference_penalties
 
 CFG = ji.preset("tiny-llama").replace(eos_token_id=None)
 S = 4
@@ -58,6 +58,13 @@ def _workload():
 PROMPTS = _workload()
 
 
+# Bans that bite the random model's greedy outputs (they change rows 5 and 7): one-, two- and
+# three-token bans, beside allowed_token_ids in row 5. (14, 120) would bar row 7's first greedy
+# token were the prompt's last token (14) read as output. Both fit W = 4, P = 2: few shapes.
+BANS_5 = [(24, 24), (45, 24, 48), (6,)]
+BANS_7 = [(78,), (45, 93), (93, 9, 114), (14, 120)]
+
+
 def _settings(temperature: float) -> list[ji.SamplingParams]:
     """Per-request penalties of every kind, one request without any."""
     kinds = [
@@ -66,8 +73,9 @@ def _settings(temperature: float) -> list[ji.SamplingParams]:
         dict(presence_penalty=1.5, logit_bias={5: 2.0}),
         dict(repetition_penalty=0.8, frequency_penalty=-0.5),
         dict(min_tokens=6, stop_token_ids=(5,), logit_bias={5: 30.0}),  # would stop at once
-        dict(allowed_token_ids=tuple(range(0, 64, 3)), presence_penalty=0.5),
+        dict(allowed_token_ids=tuple(range(0, 64, 3)), presence_penalty=0.5, bad_words_ids=BANS_5),
         dict(),
+        dict(bad_words_ids=BANS_7),
     ]
     return [
         ji.SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0,
@@ -83,12 +91,21 @@ def test_engine_matches_generate(params, temperature, budget, prefix):
     ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
     plain = ji.generate(CFG, params, PROMPTS, [dataclasses.replace(sp, presence_penalty=0,
                         frequency_penalty=0, repetition_penalty=1, logit_bias=(), min_tokens=0,
-                        allowed_token_ids=None) for sp in sps], backend="reference")  # fmt: skip
+                        allowed_token_ids=None, bad_words_ids=()) for sp in sps],
+                        backend="reference")  # fmt: skip
     # The penalties changed most outputs, so matching `ref` is not matching plain decoding.
     assert sum(r.token_ids != p.token_ids for r, p in zip(ref, plain)) >= 5
     held = ref[4].token_ids  # min_tokens: six tokens, then the stop token its bias favours
     assert len(held) == 7 and held[-1] == 5 and 5 not in held[:6]
     assert set(ref[5].token_ids) <= set(range(0, 64, 3))  # allowed_token_ids
+    for i in (5, 7):  # bad_words_ids: no banned sequence in the output
+        assert not any(_contains(ref[i].token_ids, w) for w in sps[i].bad_words_ids), i
+    assert PROMPTS[7][-1] == 14 and (ref[7].token_ids[0] == 120) == (temperature == 0)
+    if not temperature and budget == 1:  # ... where greedy decoding without the bans had one
+        unbanned = ji.generate(CFG, params, [PROMPTS[i] for i in (5, 7)], [dataclasses.replace(
+            sps[i], bad_words_ids=()) for i in (5, 7)], backend="reference")  # fmt: skip
+        for i, u in zip((5, 7), unbanned):
+            assert any(_contains(u.token_ids, w) for w in sps[i].bad_words_ids), i
     ecfg = dataclasses.replace(ECFG, max_num_batched_tokens=budget, enable_prefix_caching=prefix)
     engine = Engine(CFG, params, ecfg)
     outs = engine.generate(PROMPTS, sps)
@@ -111,7 +128,8 @@ def _dense_penalized_sample(params, prompt, sp, sample_index):
         counts, seen = history_counts(
             jnp.asarray([seq]), jnp.asarray([len(prompt)]), CFG.vocab_size
         )
-        x = process_logits(apply_penalties(logits, pb, counts, seen), sb)[0]
+        tail = output_tail(jnp.asarray([seq]), jnp.asarray([len(prompt)]), pb.tail_width)
+        x = process_logits(apply_penalties(logits, pb, counts, seen, tail), sb)[0]
         key = jax.random.fold_in(jax.random.key(sp.seed), sample_index)
         g = jax.random.gumbel(jax.random.fold_in(key, len(seq)), x.shape)
         seq.append(int(jnp.argmax(x + g)))
@@ -219,6 +237,10 @@ CHI_SQUARE_SETTINGS = {
     "penalties": dict(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=1.5),
     # t1 from {0, 1, 4, 6} (stop token 2 barred by min_tokens), t2 from {0, 1, 2, 4, 6}.
     "masks": dict(allowed_token_ids=(0, 1, 2, 4, 6), min_tokens=1, stop_token_ids=(2,)),
+    # This model's t1 is 1 (98%), then t2 is 5 (98%): (1, 5) spreads t2 over {1, 2, 7, 0}, the
+    # law the cycle's rejection sampling must follow; (5, 1) must not fire at t1 (5 ends the
+    # prompt, not the output). Never 3.
+    "bad_words": dict(bad_words_ids=[(1, 5), (5, 1), (5, 6), (3,)]),
 }
 
 
@@ -244,7 +266,7 @@ def test_speculative_rejection_sampling_with_penalties_chi_square(kind):
         counts[o.token_ids[0], o.token_ids[1]] += 1
     neutral = dataclasses.replace(sp0, frequency_penalty=0, presence_penalty=0,
                                   repetition_penalty=1, allowed_token_ids=None,
-                                  min_tokens=0)  # fmt: skip
+                                  min_tokens=0, bad_words_ids=())  # fmt: skip
     assert _pvalue(counts, _penalized_joint(tparams, prompt, sp0)) > SIGNIFICANCE
     assert _pvalue(counts, _penalized_joint(tparams, prompt, neutral)) < SIGNIFICANCE
     assert 0 < engine.spec_counters.accepted < engine.spec_counters.proposed
@@ -296,6 +318,17 @@ def test_num_generated_continues_a_request(params):
     while engine.has_unfinished():
         out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     assert out == whole[2:]
+    # bad_words_ids read the k resumed tokens as output: (63, 107) fires after the second.
+    sp = ji.SamplingParams(temperature=0, max_tokens=6, bad_words_ids=[(63, 107)])
+    whole = ji.generate(CFG, params, [PROMPTS[3]], sp, backend="reference")[0].token_ids
+    assert whole[:2] == [40, 63] and whole[2] != 107
+    for k in (2, 0):  # resumed: as whole; as prompt (k = 0): the ban is off
+        rid = engine.add_request(PROMPTS[3] + whole[:2], dataclasses.replace(sp, max_tokens=4),
+                                 num_generated=k)  # fmt: skip
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert (out == whole[2:]) == (k == 2) and (out[0] == 107) == (k == 0), k
     for bad in (-1, len(PROMPTS[3]), 1.0):
         with pytest.raises(ValueError, match="num_generated must be an int"):
             engine.add_request(PROMPTS[3], sp, num_generated=bad)
