@@ -119,7 +119,7 @@ class PenaltyBatch:
             restrict=np.array(
                 [sp.allowed_token_ids is not None for sp in params] + [False] * len(pad)
             ),  # fmt: skip
-            allowed_ids=table([sp.allowed_token_ids or () for sp in params]),
+            allowed_ids=table([sp.allowed_token_ids_array for sp in params]),
             bad_prefix=bad_prefix,
             bad_last=bad_last,
         )

@@ -153,6 +153,11 @@ class SamplingParams:
         return ids, np.array([b for _, b in self.logit_bias], np.float32)
 
     @functools.cached_property  # read for every engine step: converted once
+    def allowed_token_ids_array(self) -> np.ndarray:
+        """`allowed_token_ids` as `[A]` int32 (empty for None)."""
+        return np.array(self.allowed_token_ids or (), np.int32)
+
+    @functools.cached_property  # read for every engine step: converted once
     def bad_words_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """`bad_words_ids` as `([N, P] int32 prefixes, [N] int32 last tokens)`: each prefix
         w[:-1] right-aligned in P = the longest prefix (at least 1) slots, the slots before it
