@@ -52,7 +52,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median reported)."
 _SYSTEMS = flags.DEFINE_list(
     "systems", ["jaxinfer", "transformers", "llamacpp"],
     "Systems to time (when installed); 'jaxinfer-penalties': ji.generate with a repetition and "
-    "a frequency penalty (what penalties cost a step).",
+    "a frequency penalty (what penalties cost a step); 'jaxinfer-masks': with min_tokens, half "
+    "the vocabulary allowed and three bad_words_ids (what the masks cost).",
 )  # fmt: skip
 _FORMATS = flags.DEFINE_list(
     "formats",
@@ -64,7 +65,9 @@ _FORMAT_TOKENS = flags.DEFINE_integer(
 )
 _GEMV_MIB = flags.DEFINE_integer("gemv_mib", 256, "float32 GEMV matrix size (MiB).", lower_bound=1)
 flag_checks.int_list(_BATCH_SIZES, min_value=1)
-flag_checks.choice_list(_SYSTEMS, ("jaxinfer", "jaxinfer-penalties", "transformers", "llamacpp"))
+flag_checks.choice_list(
+    _SYSTEMS, ("jaxinfer", "jaxinfer-penalties", "jaxinfer-masks", "transformers", "llamacpp")
+)
 FORMATS = ("float32", "bfloat16", "w8a16-rtn", "w4a16-rtn-g64", "w4a16-rtn-g32", "gguf-as-stored")
 flag_checks.choice_list(_FORMATS, FORMATS, allow_empty=True)
 
@@ -101,11 +104,22 @@ def gemv_bandwidth(mib: int, repeats: int = 9) -> dict:
 # ------------------------------------------------------------------------------------ systems
 
 
+def _sampling_extras(name: str, cfg) -> dict:
+    """The SamplingParams fields of a jaxinfer system beside greedy decoding."""
+    if name == "jaxinfer-penalties":
+        return dict(repetition_penalty=1.2, frequency_penalty=0.5)
+    if name == "jaxinfer-masks":  # every mask on, a large allowed set: the masks' worst case here
+        v = cfg.vocab_size
+        bans = [(8,), (260 % v, 260 % v), (28 % v, 30 % v, 32 % v)]
+        return dict(min_tokens=1, allowed_token_ids=range(0, v, 2), bad_words_ids=bans)
+    return {}
+
+
 class JaxinferSystem:
-    def __init__(self, cfg, params, penalties: bool = False):
+    def __init__(self, cfg, params, name: str = "jaxinfer"):
         self.cfg, self.params = cfg, params
-        self.name = "jaxinfer-penalties" if penalties else "jaxinfer"
-        self.penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5) if penalties else {}
+        self.name = name
+        self.penalties = _sampling_extras(name, cfg)
 
     def run(self, prompts: np.ndarray, n_new: int) -> None:
         sp = ji.SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, **self.penalties)
@@ -269,11 +283,14 @@ def main(argv):
     systems, notes = [], []
     if "jaxinfer" in _SYSTEMS.value:
         systems.append(JaxinferSystem(cfg, params))
-    if "jaxinfer-penalties" in _SYSTEMS.value:
-        systems.append(JaxinferSystem(cfg, params, penalties=True))
+    for name in ("jaxinfer-penalties", "jaxinfer-masks"):
+        if name in _SYSTEMS.value:
+            systems.append(JaxinferSystem(cfg, params, name))
     if "transformers" in _SYSTEMS.value:
         systems.append(TransformersSystem(path))
-    nbytes = {"jaxinfer": f32_bytes, "jaxinfer-penalties": f32_bytes, "transformers": f32_bytes}
+    nbytes = dict.fromkeys(
+        ("jaxinfer", "jaxinfer-penalties", "jaxinfer-masks", "transformers"), f32_bytes
+    )
     if "llamacpp" in _SYSTEMS.value:
         if not _llamacpp_available():
             notes.append("llama.cpp: xllamacpp is not installed (pip install xllamacpp)")
