@@ -5,6 +5,8 @@ prediction.
     python -m experiments.drafter_bench --target=smollm2-135m \
         --heads=medusa=/tmp/drafters/medusa/head,eagle=smollm2-135m-eagle \
         --drafts=distilled=/tmp/drafters/draft/draft --workdir=/tmp/drafters/bench
+    python -m experiments.drafter_bench --heads=eagle=smollm2-135m-eagle --keep_quantized \
+        --temperatures=0 --batch_sizes=1 --workdir=/tmp/drafters/bench_gguf   # Q4_1 as stored
 
 Two prompt sets: `test`, the first --prompt_len tokens of distinct windows of the held-out test
 split, and `chat`, one-turn user questions (`common.CHAT_PROMPTS`) through the target's chat
@@ -68,6 +70,10 @@ _ACCEPTANCE = flags.DEFINE_enum(
     "acceptance", "rejection", ["rejection", "coupled"], "Acceptance at T > 0."
 )
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Interleaved timing repeats.", lower_bound=1)
+_KEEP_QUANTIZED = flags.DEFINE_boolean(
+    "keep_quantized", False, "A GGUF target keeps its Q4_0 / Q4_1 / Q8_0 tensors as stored "
+    "(`ji.load_checkpoint(keep_quantized=True)`); plain decoding reads the same weights.",
+)  # fmt: skip
 _CONFIG = common.config_flag()
 
 
@@ -122,7 +128,8 @@ def main(argv):
     temps = _numbers(_TEMPERATURES.value, float, "temperatures")
     sizes = _numbers(_BATCH_SIZES.value, int, "batch_sizes")
     common.save_config(_WORKDIR.value)
-    cfg, params, path = common.load_model(_TARGET.value, dtype=jnp.float32)
+    kw = {"keep_quantized": True} if _KEEP_QUANTIZED.value else {}
+    cfg, params, path = common.load_model(_TARGET.value, dtype=jnp.float32, **kw)
     tok = ji.load_tokenizer(path)
     windows = common.test_windows(tok, cfg, max_tokens=10**7, seq_len=_PROMPT_LEN.value)
     step = max(len(windows) // _NUM_PROMPTS.value, 1)
@@ -149,7 +156,8 @@ def main(argv):
             (cfg, params), drafters[n], batch, sps, gamma=g, acceptance=_ACCEPTANCE.value
         )
 
-    results = {"target": _TARGET.value, "gamma": g, "acceptance": _ACCEPTANCE.value,
+    results = {"target": _TARGET.value, "keep_quantized": _KEEP_QUANTIZED.value, "gamma": g,
+               "acceptance": _ACCEPTANCE.value,
                "prompt_len": _PROMPT_LEN.value, "max_tokens": n_tok, "repeats": _REPEATS.value,
                "sets": {k: len(v) for k, v in sets.items()}, "by_temperature": {}}  # fmt: skip
     for temp in temps:

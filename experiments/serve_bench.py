@@ -107,6 +107,10 @@ _PROMPTS = flags.DEFINE_enum(
     "prompts", "random", ["random", "code"], "Prompt content: random ids, or windows of the "
     "shipped test split (Python source) in the model's tokenizer, which drafters can predict.",
 )  # fmt: skip
+_KEEP_QUANTIZED = flags.DEFINE_boolean(
+    "keep_quantized", False, "A GGUF --model keeps its Q4_0 / Q4_1 / Q8_0 tensors as stored "
+    "(`ji.load_checkpoint(keep_quantized=True)`), for every system.",
+)  # fmt: skip
 WORKLOADS = workload.WORKLOADS
 flag_checks.choice_list(_WORKLOADS, WORKLOADS)
 flag_checks.choice_list(_SYSTEMS, ("static", "no_chunking", "no_prefix", "engine"))
@@ -146,6 +150,7 @@ class BenchConfig:
     draft_head: str | None = None  # with drafter "head": its name or folder
     max_gamma: int = 4
     prompts: str = "random"  # or "code": windows of the test split (`prompt_text`)
+    keep_quantized: bool = False  # a GGUF model's quantized tensors as stored
 
     @property
     def all_systems(self) -> tuple[str, ...]:
@@ -262,12 +267,12 @@ def run_static(cfg, params, bc: BenchConfig, reqs: list[Req], slo: SLO | None) -
 # ------------------------------------------------------------------------------ driver
 
 
-def load_model(path: str | None):
+def load_model(path: str | None, keep_quantized: bool = False):
     """(cfg, params, description): --model, else the shipped target, else random bench-5m."""
     if path is None and "target" in ji.models.names():
         path = ji.models.path("target")
     if path is not None:
-        cfg, params = ji.load_checkpoint(path)
+        cfg, params = ji.load_checkpoint(path, keep_quantized=keep_quantized)
         return cfg, params, path
     msg = "no shipped target model: benchmarking a RANDOMLY INITIALISED bench-5m preset"
     logging.warning(msg)
@@ -303,6 +308,7 @@ def resolve_config(description: str) -> BenchConfig:
         draft_head=_DRAFT_HEAD.value if _DRAFTER.value == "head" else None,
         max_gamma=_MAX_GAMMA.value,
         prompts=_PROMPTS.value,
+        keep_quantized=_KEEP_QUANTIZED.value,
     )
 
 
@@ -520,7 +526,7 @@ def main(argv):
     del argv
     common.apply_config(_CONFIG.value)
     workdir = _WORKDIR.value
-    cfg, params, description = load_model(_MODEL.value)
+    cfg, params, description = load_model(_MODEL.value, _KEEP_QUANTIZED.value)
     bc = resolve_config(description)
     common.save_config(workdir, resolved=dataclasses.asdict(bc))
     for name in bc.workloads:  # unknown names fail before any compilation
