@@ -17,6 +17,9 @@ choice and passed through its stop strings (responses.Choice over detokenizer.py
 that meets a stop string is finished here; once every choice of an engine request is finished,
 the request is aborted so its blocks go back at once. When the client goes away (a cancelled
 stream or a disconnect seen while waiting), every engine request of the HTTP request is aborted.
+Prompt logprobs (an echo's, and vLLM's `prompt_logprobs`) come from one dense scoring pass per
+prompt on the engine thread (`jaxinfer.scoring.score`), not from the engine's steps, so they
+need no engine support (speculative decoding included).
 
 Status codes: 400 invalid request (the `param` names the field), 404 unknown model or route,
 413 a request that needs more KV blocks than the pool holds, 503 + Retry-After when the waiting
@@ -125,20 +128,32 @@ class _Server:
         room = min(self.max_model_len, self.pool_blocks * self.block_size) - len(prompt)
         return max(1, room)
 
-    def prompt_logprobs(self, prompt: list[int], k: int) -> list:
-        """Logprob entries of prompt tokens 1.. (token 0 has none), by a scoring pass."""
+    def score_prompt(self, prompt: list[int], k: int):
+        """A future of prompt tokens 1.. (token 0 has no logprob) as `(id, logprob, rank, top)`,
+        top the k most likely `((id, logprob), ...)`: one dense scoring pass on the engine
+        thread, the model's distribution before any processing (as vLLM's prompt logprobs). The
+        rank is vLLM's, the number of tokens at least as likely (1: the argmax)."""
 
         def run(eng):
-            toks = np.zeros((1, bucket(len(prompt))), np.int32)  # causal: padding after is inert
-            toks[0, : len(prompt)] = prompt
-            logits = np.asarray(score(eng.cfg, eng.params, toks))[0, : len(prompt) - 1]
+            P = len(prompt)
+            T = min(bucket(P), int(eng.cfg.max_position_embeddings))
+            toks = np.zeros((1, T), np.int32)  # causal: padding after the prompt is inert
+            toks[0, :P] = prompt
+            logits = np.asarray(score(eng.cfg, eng.params, toks))[0, : P - 1]  # [P-1, V]
             logits = logits - logits.max(-1, keepdims=True)
             logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # [P-1, V]
-            out = []
-            for i, t in enumerate(prompt[1:]):
-                top = np.argsort(-logp[i])[:k]
-                out.append((t, float(logp[i, t]), tuple((int(j), float(logp[i, j])) for j in top)))
-            return out
+            ids = np.asarray(prompt[1:])  # [P-1]
+            lp = logp[np.arange(P - 1), ids]  # [P-1]
+            rank = (logp >= lp[:, None]).sum(-1)  # [P-1]
+            kk = min(k, logp.shape[-1])
+            top = np.argpartition(-logp, kk - 1, -1)[:, :kk] if kk else np.zeros((P - 1, 0), int)
+            vals = np.take_along_axis(logp, top, -1)  # [P-1, k], unordered
+            order = np.argsort(-vals, axis=-1, kind="stable")
+            top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
+            return [
+                (int(t), float(lp[i]), int(rank[i]), tuple(zip(top[i].tolist(), vals[i].tolist())))
+                for i, t in enumerate(ids)
+            ]
 
         return self.engine.call(run)
 
@@ -240,7 +255,8 @@ def build_app(
             raise P.APIError(400, "prompt: must not be empty", "prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         keep = P.truncation(req, srv.max_model_len, max_tokens)
-        prompts = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
+        enc = encode_prompt if req.add_special_tokens else encode  # vLLM's: a text's BOS or not
+        prompts = [enc(tokenizer, p) if isinstance(p, str) else list(p) for p in prompt]
         prompts = [p[-keep:] for p in prompts] if keep else prompts
         return await _generate(request, srv, req, prompts, max_tokens, P.completion_logprobs(req))
 
@@ -255,7 +271,8 @@ def build_app(
         if max_tokens is None:
             max_tokens = req.max_tokens
         keep = P.truncation(req, srv.max_model_len, max_tokens)
-        prompt = encode(tokenizer, P.chat_prompt(req, tokenizer, srv.chat_template))
+        enc = encode_prompt if req.add_special_tokens else encode  # default: the template's only
+        prompt = enc(tokenizer, P.chat_prompt(req, tokenizer, srv.chat_template))
         prompts = [prompt[-keep:] if keep else prompt]
         if max_tokens is None:
             max_tokens = srv.default_max_tokens(prompts[0])
@@ -274,7 +291,7 @@ def build_app(
         if req.model is not None:
             srv.check_model(req.model)
         if chat:
-            for field in ("continue_final_message", "chat_template", "tools"):
+            for field in ("chat_template", "tools"):
                 if getattr(req, field):
                     raise P.APIError(400, f"{field}: not supported by this server", field)
             text = P.chat_prompt(req, tokenizer, srv.chat_template)
@@ -315,14 +332,27 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     chat = isinstance(req, P.ChatCompletionRequest)
     field = "messages" if chat else "prompt"
     cfg = srv.engine.engine.cfg
-    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n)
+    bad_words = P.bad_words_ids(req, srv.tokenizer)
+    sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n, bad_words)
     opts = P.text_options(req, stop_ids(cfg, sp), sp.min_tokens)
     if srv.speculative and sp.logprobs is not None:
         raise P.APIError(400, "logprobs: not supported with speculative decoding", "logprobs")
     try:
-        check_sampling(cfg, sp)  # ids in the vocabulary (logit_bias too), min_tokens
+        check_sampling(cfg, sp)  # ids in the vocabulary (logit_bias, bad words too), min_tokens
     except SamplingError as e:
+        if e.field == "bad_words_ids":  # the request's field is the words
+            raise P.APIError(400, f"bad_words: their token sequences: {e}", "bad_words") from None
         raise P.APIError(400, str(e), e.field) from None
+    echo = not chat and req.echo
+    # Prompt scoring (a dense pass per prompt, not the engine's): the echo's logprob entries and
+    # vLLM's prompt_logprobs, which an echo with logprobs returns too (never in a stream).
+    echo_k = logprobs if echo and logprobs is not None else None
+    prompt_k = P.num_prompt_logprobs(req)
+    if prompt_k is None:
+        prompt_k = echo_k
+    if req.stream:
+        prompt_k = None
+    score_k = max((k for k in (echo_k, prompt_k) if k is not None), default=None)
     for p in prompts:
         srv.check_lengths(p, sp.max_tokens, sp.n, field)
     if len(prompts) > srv.engine.max_waiting:  # 503 "retry later" would never succeed
@@ -330,7 +360,6 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
             400, f"{field}: {len(prompts)} prompts in one request; this server queues at most "
             f"{srv.engine.max_waiting}", field,
         )  # fmt: skip
-    echo = not chat and req.echo
     engine = srv.engine
     if srv.shutting_down or not engine.alive:
         raise P.APIError(503, "the server is shutting down", None, "shutting_down")
@@ -343,14 +372,20 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
     queue: asyncio.Queue = asyncio.Queue()  # filled on this loop by the engine thread
     base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     rids = [f"{base}-{i}" for i in range(len(prompts))]
-    prompt_lps = None
+    scored = None
     try:
-        if echo and logprobs is not None:
-            futs = [srv.prompt_logprobs(p, logprobs) for p in prompts]
-            prompt_lps = [await asyncio.wrap_future(f) for f in futs]
+        if score_k is not None:
+            futs = [srv.score_prompt(p, score_k) for p in prompts]
+            scored = [await asyncio.wrap_future(f) for f in futs]
     except BaseException:
         engine.release(len(prompts))
         raise
+    prompt_lps = None  # the echo's entries of prompt tokens 1..
+    if echo_k is not None:
+        prompt_lps = [[(t, lp, top[:echo_k]) for t, lp, _, top in s] for s in scored]
+    prompt_logprobs = None  # per prompt, vLLM's shape
+    if prompt_k is not None:
+        prompt_logprobs = [R.prompt_logprobs(srv, s, prompt_k) for s in scored]
     futs = [engine.submit(p, sp, rid, queue.put_nowait, loop) for p, rid in zip(prompts, rids)]
     results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
     bad = [r for r in results if isinstance(r, BaseException)]
@@ -439,8 +474,10 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
+                if prompt_logprobs is not None:  # vLLM's: on each choice of a completion
+                    c["prompt_logprobs"] = prompt_logprobs[ch.index // n]
             out.append(c)
-        return {
+        body = {
             "id": base,
             "object": obj,
             "created": created,
@@ -448,6 +485,9 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
             "choices": out,
             "usage": R.usage(prompts, choices),
         }
+        if chat and prompt_logprobs is not None:  # vLLM's: on a chat response, its one prompt
+            body["prompt_logprobs"] = prompt_logprobs[0]
+        return body
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"

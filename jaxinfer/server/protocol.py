@@ -3,14 +3,16 @@ chat request's prompt (its messages rendered by the chat template).
 
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`spaces_between_special_tokens`, `truncate_prompt_tokens`, and its `/tokenize` and `/detokenize`
+`spaces_between_special_tokens`, `truncate_prompt_tokens`, `bad_words`, `prompt_logprobs`,
+`add_special_tokens`, chat's `continue_final_message`, and its `/tokenize` and `/detokenize`
 bodies). Types are strict: a string where a number belongs, a float where an int belongs, or a
 bool where a number belongs is a 400 naming the field; unknown fields are ignored (clients send
 vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI),
-`repetition_penalty`, `min_tokens` and `allowed_token_ids` (vLLM) map to the engine's penalties
-and masks (`jaxinfer.penalties`). Known fields that change the output but that the
-engine does not implement (`best_of` other than n, `suffix`, tools, vLLM's guided decoding and
-others: `UNIMPLEMENTED`) are accepted only at their neutral value and refused by name otherwise.
+`repetition_penalty`, `min_tokens`, `allowed_token_ids` and `bad_words` (vLLM; tokenized by
+`bad_words_ids`) map to the engine's penalties and masks (`jaxinfer.penalties`). Known fields
+that change the output but that the engine does not implement (`best_of` other than n, `suffix`,
+tools, vLLM's guided decoding and others: `UNIMPLEMENTED`) are accepted only at their neutral
+value and refused by name otherwise.
 
 Errors are raised as `APIError(status, message, param)` and rendered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}` by the app.
@@ -27,16 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.chat import apply_chat_template
 from jaxinfer.checks import INT32_MAX
-from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
-from jaxinfer.server.detokenizer import TextOptions
+from jaxinfer.sampling import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MIN_POSITIVE, SamplingParams
+from jaxinfer.server.detokenizer import TextOptions, encode
 
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too)
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too; vLLM's default max_logprobs)
 # The roles of OpenAI's chat messages; content may be null or absent only where its types allow
 # (an assistant turn of tool calls, a function's result); tool results need content.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _NULL_CONTENT_ROLES = ("assistant", "function")
 # apply_chat_template's arguments that the chat route sets itself: not chat_template_kwargs.
-_TEMPLATE_ARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template"})
+_TEMPLATE_ARGS = frozenset(
+    {"tokenizer", "messages", "add_generation_prompt", "continue_final_message", "chat_template"}
+)
 
 
 class APIError(Exception):
@@ -105,10 +109,11 @@ class _Sampling(_Strict):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: all that fit
+    bad_words: list[str] | None = None  # vLLM extension; banned words (bad_words_ids)
+    prompt_logprobs: int | None = None  # vLLM extension; top-k per prompt token (not streamed)
     # Known, accepted only at their neutral value (UNIMPLEMENTED below).
     best_of: int | None = None
     user: str | None = None
-    bad_words: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -116,7 +121,6 @@ class _Sampling(_Strict):
     structured_outputs: Any = None
     logits_processors: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
     truncation_side: Any = None
 
 
@@ -125,6 +129,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's post-processor (a BOS) on a text
 
 
 class ChatMessage(BaseModel):
@@ -139,6 +144,11 @@ class ChatInput(_Strict):
 
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    # vLLM's: end inside the final message (its text left open), with add_generation_prompt false.
+    continue_final_message: bool = False
+    # vLLM's: the tokenizer's post-processor (a BOS) on the rendered text; off, as the template
+    # writes the special tokens itself.
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -167,10 +177,8 @@ class TokenizeChatRequest(ChatInput):
     """vLLM's POST /tokenize body of a conversation, rendered as /v1/chat/completions renders it."""
 
     model: str | None = None
-    add_special_tokens: bool = False  # the template writes them
     return_token_strs: bool | None = False
     # vLLM's, not built here: refused unless neutral (the chat route's own answer to each).
-    continue_final_message: bool = False
     chat_template: Any = None
     tools: Any = None
 
@@ -186,7 +194,6 @@ class DetokenizeRequest(_Strict):
 # does not implement: set to anything but their neutral value, a request is refused naming the
 # field, never served as if the field had not been sent. (Unknown fields are still ignored.)
 UNIMPLEMENTED = {
-    "bad_words": lambda v: not v,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
@@ -194,7 +201,6 @@ UNIMPLEMENTED = {
     "structured_outputs": lambda v: v is None,
     "logits_processors": lambda v: not v,
     "use_beam_search": lambda v: v is None or v is False,
-    "prompt_logprobs": lambda v: v is None,
     "truncation_side": lambda v: v is None or v == "left",  # vLLM's; truncate_prompt_tokens's
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: not v,
@@ -280,8 +286,73 @@ def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> in
     return k
 
 
+def bad_words_ids(req: _Sampling, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """`bad_words` as token sequences, as vLLM's `SamplingParams.update_from_tokenizer` makes
+    them: each word without its leading whitespace, encoded without special tokens, and also
+    " " + that word where it encodes to as many tokens with another first one (the word-start
+    token of a byte-level BPE vocabulary, so the word is banned after a space too). Raises
+    APIError(400) naming `bad_words`: a word that encodes to no tokens, one longer than
+    MAX_BAD_WORD_LEN tokens, or more than MAX_BAD_WORDS sequences in all.
+
+    Args:
+      req: the parsed request.
+      tokenizer: the served tokenizer.
+    """
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS:  # each word is at least one sequence: before encoding them
+        raise _bad("bad_words", f"{len(words)} words; at most {MAX_BAD_WORDS} token sequences")
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        ids = encode(tokenizer, word.lstrip())
+        if not ids:
+            raise _bad(
+                "bad_words",
+                f"word {i} {shown(word)} encodes to no tokens once its leading whitespace is "
+                "stripped",
+            )
+        if len(ids) > MAX_BAD_WORD_LEN:
+            raise _bad(
+                "bad_words",
+                f"word {i} {shown(word)} is {len(ids)} tokens; at most {MAX_BAD_WORD_LEN}",
+            )
+        out.append(ids)
+        spaced = encode(tokenizer, " " + word.lstrip())
+        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+            out.append(spaced)
+    if len(out) > MAX_BAD_WORDS:
+        raise _bad(
+            "bad_words",
+            f"{len(words)} words encode to {len(out)} token sequences (a word after a space is "
+            f"its own sequence where it encodes differently); at most {MAX_BAD_WORDS}",
+        )
+    return tuple(tuple(ids) for ids in out)
+
+
+def num_prompt_logprobs(req: _Sampling) -> int | None:
+    """vLLM's `prompt_logprobs`: None, or how many top alternatives each prompt token's entry
+    holds beside the token itself; raises APIError(400) naming it. As vLLM: refused with
+    stream = true unless 0 (a stream carries no prompt logprobs); -1 (the whole vocabulary) and
+    k > 20 exceed its default max_logprobs of 20."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if req.stream and k != 0:
+        raise _bad("prompt_logprobs", "not available when stream = true")
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise _bad(
+            "prompt_logprobs",
+            f"{k} must be in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is more than "
+            f"{MAX_LOGPROBS} too)",
+        )
+    return k
+
+
 def sampling_params(
-    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
+    req: _Sampling,
+    max_tokens: int,
+    logprobs: int | None,
+    max_n: int,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """The engine's SamplingParams of a request; raises APIError(400) naming the bad field.
 
@@ -290,6 +361,7 @@ def sampling_params(
       max_tokens: the resolved token limit (the request's, or the default).
       logprobs: None, or how many top alternatives per token to return.
       max_n: the most parallel samples the engine runs (its max_num_seqs).
+      bad_words: `bad_words_ids(req, tokenizer)`.
     """
     _check_neutral(req)
     if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
@@ -346,10 +418,15 @@ def sampling_params(
             logit_bias=logit_bias(req),
             min_tokens=0 if req.min_tokens is None else req.min_tokens,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words_ids=bad_words,
         )
     except ValueError as e:  # a bound checked only there: still a 400, not a 500
-        field = re.match(r"SamplingParams\.(\w+)=", str(e))
-        raise _bad(field.group(1) if field else "sampling", str(e)) from None
+        match = re.match(r"SamplingParams\.(\w+)=", str(e))
+        field, message = match.group(1) if match else "sampling", str(e)
+        if field == "bad_words_ids":  # the request's field, without all its sequences echoed
+            field = "bad_words"
+            message = "its token sequences: " + message.split(" is invalid: ", 1)[-1]
+        raise _bad(field, message) from None
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
@@ -406,11 +483,15 @@ def chat_messages(req: ChatInput) -> list[dict]:
 
 def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> str:
     """The request's conversation rendered by the chat template; raises APIError(400) naming
-    `messages` (or one message's field, see chat_messages) or `chat_template_kwargs`.
+    `messages` (or one message's field, see chat_messages), `chat_template_kwargs` or
+    `continue_final_message`.
 
     A failure is the kwargs' when the conversation renders without them (a variable of the wrong
-    type, a value the template refuses, `documents` that are not a list); otherwise it is the
-    messages' (the template refuses them with its own defaults).
+    type, a value the template refuses, `documents` that are not a list); else it is
+    continue_final_message's when the conversation renders without that (a final message without
+    content, a template that rewrites it, add_generation_prompt true as by default: vLLM refuses
+    both, and transformers' renderer refuses them where vLLM's default lets them through);
+    otherwise it is the messages' (the template refuses them with its own defaults).
 
     Args:
       req: the parsed request.
@@ -422,28 +503,37 @@ def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> st
     taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
     if taken:
         raise _bad(
-            "chat_template_kwargs", f"{taken} cannot be set here (messages and "
-            "add_generation_prompt are request fields; the template is the server's)",
+            "chat_template_kwargs", f"{taken} cannot be set here (messages, "
+            "add_generation_prompt and continue_final_message are request fields; the template "
+            "is the server's)",
         )  # fmt: skip
     if kwargs.get("tools"):  # the `tools` field is refused: not through the back door either
         raise _bad("chat_template_kwargs.tools", "tools are not supported by this server")
+    cont = req.continue_final_message  # with add_generation_prompt, refused by the renderer
 
-    def render(**kw: Any) -> str:
+    def render(kw: dict, continued: bool) -> str:
         return apply_chat_template(
-            tokenizer, messages, req.add_generation_prompt, chat_template=chat_template, **kw
-        )
+            tokenizer, messages, req.add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continued, **kw,
+        )  # fmt: skip
 
     try:
-        return render(**kwargs)
+        return render(kwargs, cont)
     except ValueError as e:  # ChatTemplateError included
         param = "messages"
-        if kwargs:
+        retries = [("chat_template_kwargs", cont)] if kwargs else []
+        retries += [("continue_final_message", False)] if cont else []
+        for blame, continued in retries:  # each without the kwargs
             try:
-                render()
-                param = "chat_template_kwargs"
+                render({}, continued)
             except ValueError:
-                pass
-        raise _bad(param, str(e)) from None
+                continue
+            param = blame
+            break
+        message = str(e).removeprefix(f"{param}: ")
+        if param == "continue_final_message" and req.add_generation_prompt:
+            message += " (add_generation_prompt is true unless sent false)"
+        raise _bad(param, message) from None
 
 
 def validation_error(errors: list[dict]) -> APIError:

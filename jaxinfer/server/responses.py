@@ -1,4 +1,5 @@
-"""Response pieces: the per-choice stream state and the OpenAI shapes of usage and logprobs.
+"""Response pieces: the per-choice stream state and the OpenAI shapes of usage and logprobs
+(vLLM's `prompt_logprobs` too).
 
 `Choice` holds one choice's tokens, text (through the incremental detokenizer and its stop
 strings) and logprob entries `(token id, logprob, ((id, logprob), ...) top)` as outputs arrive.
@@ -101,6 +102,23 @@ def completion_logprobs(srv: Any, entries: list, offset: int) -> dict:
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(srv: Any, scored: list, k: int) -> list:
+    """vLLM's `prompt_logprobs` of one prompt from `(id, logprob, rank, top)` of its tokens 1..:
+    None for token 0, then per token `{id: {"logprob", "rank", "decoded_token"}}` holding the
+    token itself first, then its k most likely (ranks 1..k; a dict, so a token among them is
+    there once). Logprobs below -9999 are -9999, as vLLM clamps them."""
+
+    def item(tid, lp, rank):
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": srv.token_text(tid)}
+
+    out: list = [None]
+    for tid, lp, rank, top in scored:
+        d = {str(tid): item(tid, lp, rank)}
+        d.update((str(j), item(j, v, r)) for r, (j, v) in enumerate(top[:k], 1))
+        out.append(d)
+    return out
 
 
 def chat_logprobs(srv: Any, entries: list) -> dict:

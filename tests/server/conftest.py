@@ -1,4 +1,5 @@
-"""One server over the shipped target model for the whole directory, on a free port.
+"""One server over the shipped target model for the whole directory, on a free port, and the
+checks the test modules share.
 
 Every test talks to it over HTTP with the official `openai` client (or httpx for raw bodies).
 The engine's batch shape is fixed (B = 8 rows, M = 16 blocks) so the jitted step compiles once
@@ -10,6 +11,8 @@ from __future__ import annotations
 import re
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 
@@ -83,3 +86,34 @@ def served(client) -> None:
     """The server still answers a plain request."""
     r = client.completions.create(model=MODEL, prompt="x = ", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+
+def _log_softmax(model, ids) -> np.ndarray:
+    cfg, params, _ = model
+    logits = ji.score(cfg, params, np.asarray([ids], np.int32))[0]
+    return np.asarray(jax.nn.log_softmax(logits, -1))  # [S, V]
+
+
+def check_prompt_logprobs(model, ids, entries, k, atol=2e-4):
+    """vLLM's shape: None, then per prompt token {id: {logprob, rank, decoded_token}} holding the
+    token first and the k most likely (ranks 1..k), against a full forward's log-softmax."""
+    tok = model[2]
+    assert len(entries) == len(ids) and entries[0] is None
+    want = _log_softmax(model, ids)  # [P, V]
+    for i in range(1, len(ids)):
+        row, t, entry = want[i - 1], ids[i], entries[i]
+        assert next(iter(entry)) == str(t), (i, entry)  # the prompt token itself first
+        assert all(set(e) == {"logprob", "rank", "decoded_token"} for e in entry.values())
+        lp = entry[str(t)]["logprob"]
+        np.testing.assert_allclose(lp, row[t], atol=atol)
+        # vLLM's rank: the number of tokens at least as likely (1 = the argmax).
+        lo, hi = np.sum(row > row[t] + atol) + 1, np.sum(row >= row[t] - atol)
+        assert lo <= entry[str(t)]["rank"] <= hi, (i, entry[str(t)], lo, hi)
+        top = sorted((e["rank"], int(j), e["logprob"]) for j, e in entry.items() if e["rank"] <= k)
+        assert [r for r, _, _ in top] == list(range(1, k + 1)), (i, entry)
+        assert len(entry) == k + (t not in [j for _, j, _ in top]), (i, entry)
+        np.testing.assert_allclose([v for *_, v in top], np.sort(row)[::-1][:k], atol=atol)
+        for _, j, v in top:
+            np.testing.assert_allclose(v, row[j], atol=atol)
+        for j, e in entry.items():
+            assert e["decoded_token"] == tok.decode([int(j)], skip_special_tokens=False)

@@ -323,13 +323,11 @@ BAD = [
     ("allowed_token_ids", {"allowed_token_ids": [10**6]}),
     ("allowed_token_ids", {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 1}),
     # vLLM's and OpenAI's fields that change the output and are not built here (were ignored).
-    ("bad_words", {"bad_words": ["x"]}),
     ("guided_json", {"guided_json": {"type": "object"}}),
     ("guided_choice", {"guided_choice": ["a", "b"]}),
     ("guided_regex", {"guided_regex": "a+"}),
     ("structured_outputs", {"structured_outputs": {"choice": ["a"]}}),
     ("use_beam_search", {"use_beam_search": True}),
-    ("prompt_logprobs", {"prompt_logprobs": 1}),
     ("truncation_side", {"truncate_prompt_tokens": 2, "truncation_side": "right"}),
     ("logits_processors", {"logits_processors": ["m.f"]}),
     # vLLM's text extensions, built: their bad values.
@@ -341,6 +339,24 @@ BAD = [
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 2.5}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": True}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 1009}),  # > 1024 - max_tokens 16
+    # vLLM's bad_words (were refused as not built): not a list of strings, a word of no tokens
+    # (vLLM's own tokenization fails on it), more than the engine's limits.
+    ("bad_words", {"bad_words": "x"}),
+    ("bad_words.0", {"bad_words": [1]}),
+    ("bad_words", {"bad_words": [""]}),
+    ("bad_words", {"bad_words": ["a", "  "]}),
+    ("bad_words", {"bad_words": ["x " * 40]}),  # 41 tokens > MAX_BAD_WORD_LEN
+    ("bad_words", {"bad_words": [str(i) for i in range(300)]}),  # > MAX_BAD_WORDS
+    # vLLM's prompt_logprobs: its max_logprobs (20; -1 is the vocabulary), not with a stream.
+    ("prompt_logprobs", {"prompt_logprobs": 21}),
+    ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ("prompt_logprobs", {"prompt_logprobs": -2}),
+    ("prompt_logprobs", {"prompt_logprobs": "1"}),
+    ("prompt_logprobs", {"prompt_logprobs": 1.5}),
+    ("prompt_logprobs", {"prompt_logprobs": True}),
+    ("prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),
+    ("prompt_logprobs", {"prompt_logprobs": -1, "stream": True}),
+    ("add_special_tokens", {"add_special_tokens": "no"}),
 ]
 
 
@@ -384,7 +400,19 @@ CHAT_BAD = [
     ("chat_template_kwargs.tools", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 1021, "max_tokens": 4}),  # > 1020
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
-]
+    ("bad_words", {"bad_words": [" "]}),
+    ("prompt_logprobs", {"prompt_logprobs": 2, "stream": True}),
+    ("prompt_logprobs", {"prompt_logprobs": 21}),
+    # vLLM's continue_final_message (was ignored): not with add_generation_prompt (default true),
+    # and a final message it cannot continue (no content).
+    ("continue_final_message", {"continue_final_message": True}),
+    ("continue_final_message", {"continue_final_message": True, "add_generation_prompt": True}),
+    ("continue_final_message", {"continue_final_message": True, "add_generation_prompt": False,
+                                "messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "tool_calls": []}]}),
+    ("continue_final_message", {"continue_final_message": "yes"}),
+    ("add_special_tokens", {"add_special_tokens": 1}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("param,body", CHAT_BAD, ids=[p for p, _ in CHAT_BAD])

@@ -1,5 +1,6 @@
 """A server with speculative decoding: greedy text as `ji.generate`, /metrics as the engine's
-acceptance counters, the cycle log and the request log, logprobs refused."""
+acceptance counters, the cycle log and the request log, logprobs refused, bad_words and
+prompt_logprobs served."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.server import Server
-from tests.server.conftest import CHAT_TEMPLATE, ECFG, MODEL, served
+from tests.server.conftest import CHAT_TEMPLATE, ECFG, MODEL, check_prompt_logprobs, served
 
 # Repetitive prompts, so the n-gram drafter finds matches and some drafts are accepted.
 PROMPTS = [
@@ -160,3 +161,26 @@ def test_no_speculative_metrics_without_speculation(server):
     text = httpx.get(server.url + "/metrics").text
     assert "jaxinfer:spec_decode" not in text
     assert "jaxinfer:kv_cache_used_blocks{" in text
+
+
+def test_bad_words_and_prompt_logprobs_with_speculation(model, spec_server, spec_client):
+    """vLLM's bad_words reach the speculative engine (greedy text as ji.generate's with those
+    bad_words_ids, drafts verified under the bans), and prompt_logprobs, a scoring pass rather
+    than the engine's logprobs, are served there too."""
+    cfg, params, tok = model
+    prompt = "ab ab ab ab ab ab ab ab"
+    ids = tok.encode(prompt).ids
+    bans = tuple(tuple(tok.encode(w, add_special_tokens=False).ids) for w in ("ab", " ab"))
+    sp = ji.SamplingParams(temperature=0, max_tokens=20)
+    plain = ji.generate(cfg, params, [ids], sp)[0].token_ids
+    want = ji.generate(cfg, params, [ids], dataclasses.replace(sp, bad_words_ids=bans))[0]
+    assert bans[1][0] in plain and not set(want.token_ids) & {bans[0][0], bans[1][0]}
+    before = spec_server.engine.call(lambda eng: eng.spec_counters.accepted).result()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+            "bad_words": ["ab"], "prompt_logprobs": 2}  # fmt: skip
+    r = httpx.post(spec_server.url + "/v1/completions", json=body, timeout=1800)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tok.decode(want.token_ids, skip_special_tokens=True)
+    assert spec_server.engine.call(lambda eng: eng.spec_counters.accepted).result() > before
+    check_prompt_logprobs(model, ids, choice["prompt_logprobs"], 2)

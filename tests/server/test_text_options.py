@@ -247,9 +247,8 @@ TOKENIZE_BAD = [
     ("/tokenize", 400, "messages", {"messages": []}),
     ("/tokenize", 400, "chat_template", {"messages": [{"role": "user", "content": "x"}],
                                          "chat_template": "{{ 1 }}"}),
-    ("/tokenize", 400, "continue_final_message", {
-        "messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
-        "add_generation_prompt": False}),
+    ("/tokenize", 400, "continue_final_message", {  # add_generation_prompt is true by default
+        "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}),
     ("/detokenize", 404, "model", {"model": "gpt-4", "tokens": [1]}),
     ("/detokenize", 400, "tokens", {"tokens": [-1]}),
     ("/detokenize", 400, "tokens", {"tokens": [5, 4096]}),  # the vocabulary is [0, 4096)
