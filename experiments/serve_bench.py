@@ -45,9 +45,8 @@ import jaxinfer as ji
 from experiments import common, flag_checks
 from jaxinfer import data
 from jaxinfer.cache.metadata import bucket
-from jaxinfer.engine import SLO, MetricsCollector, head_drafting, speculation, workload
+from jaxinfer.engine import SLO, MetricsCollector, workload
 from jaxinfer.engine.cycles import warm_up
-from jaxinfer.engine.engine import _step as engine_step
 from jaxinfer.generate import _generate_core
 from jaxinfer.memory import tree_bytes
 
@@ -160,6 +159,7 @@ class BenchConfig:
 Req = workload.TimedRequest  # the workloads and the real-time driver live in the library
 make_lengths, make_requests = workload.make_lengths, workload.make_requests
 warm_engine, _summarize, _sampling = workload.warm_engine, workload.summarize, workload.greedy
+engine_compiles = workload.engine_compiles
 
 
 # ------------------------------------------------------------------------------ systems
@@ -331,13 +331,6 @@ def derive_slo(cfg, params, bc: BenchConfig) -> SLO:
     out = run_engine(cfg, params, engine_config(bc, "engine"), [req], None)
     s = out["summary"]
     return SLO(bc.slo_ttft_s or 8 * s["ttft"]["p50"], bc.slo_tpot_s or 4 * s["tpot"]["p50"])
-
-
-def engine_compiles() -> int:
-    """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror)."""
-    fns = (engine_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
-           speculation._mirror, head_drafting._draft, head_drafting._observe)  # fmt: skip
-    return sum(f._cache_size() for f in fns)
 
 
 def warm_spec(cfg, params, bc: BenchConfig, text=None) -> None:

@@ -151,6 +151,14 @@ CASES = {
     "cost_model_check": [([], None), (["--rounds=0"], "not a positive integer")],
     "engine_step_profile": [([], None), (["--prompt_len=0"], "not a positive integer")],
     "drafter_bench": [([], None), (["--gamma=0"], "not a positive integer")],
+    "spec_lowload": [
+        ([], None),
+        (["--formats=gguf-as-stored", "--drafters=ngram", "--in_flight=1"], None),
+        (["--formats=bf16"], r"'bf16' is not one of float32, gguf-as-stored"),
+        (["--drafters=model"], r"'model' is not one of ngram, head"),
+        (["--in_flight=0"], r"0 is not an integer >= 1"),
+        (["--rounds=0"], "not a positive integer"),
+    ],
     "train_drafter": [
         ([], None),
         (["--kind=foo"], "should be one of"),

@@ -127,6 +127,17 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def engine_compiles() -> int:
+    """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror,
+    heads): a benchmark compares it before and after a timed run to tell one that compiled."""
+    from jaxinfer.engine import head_drafting, speculation
+    from jaxinfer.engine.engine import _step
+
+    fns = (_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
+           speculation._mirror, head_drafting._draft, head_drafting._observe)  # fmt: skip
+    return sum(f._cache_size() for f in fns)
+
+
 def warm_engine(cfg: ModelConfig, params: dict, ecfg: EngineConfig, max_len: int) -> None:
     """Compiles every token bucket T an engine of `ecfg` can use, so timed runs compile nothing."""
     engine = Engine(cfg, params, ecfg)
