@@ -26,9 +26,10 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import head_drafting, speculation
 from jaxinfer.engine.buckets import pad_tokens
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.engine import Engine, _step
 from jaxinfer.engine.metrics import SLO, MetricsCollector
 from jaxinfer.sampling import SamplingParams
 
@@ -130,9 +131,6 @@ def greedy(max_tokens: int) -> SamplingParams:
 def engine_compiles() -> int:
     """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror,
     heads): a benchmark compares it before and after a timed run to tell one that compiled."""
-    from jaxinfer.engine import head_drafting, speculation
-    from jaxinfer.engine.engine import _step
-
     fns = (_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
            speculation._mirror, head_drafting._draft, head_drafting._observe)  # fmt: skip
     return sum(f._cache_size() for f in fns)

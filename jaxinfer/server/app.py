@@ -31,7 +31,6 @@ failed; a streaming response that already started reports that as an error event
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -41,7 +40,6 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.cache.metadata import bucket
@@ -49,6 +47,7 @@ from jaxinfer.requests import SamplingError, check_sampling, stop_ids
 from jaxinfer.scoring import score
 from jaxinfer.server import protocol as P
 from jaxinfer.server import responses as R
+from jaxinfer.server import tokenization
 from jaxinfer.server.async_engine import AsyncEngine, EngineFailure
 from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
@@ -140,34 +139,14 @@ class _Server:
             toks = np.zeros((1, T), np.int32)  # causal: padding after the prompt is inert
             toks[0, :P] = prompt
             logits = np.asarray(score(eng.cfg, eng.params, toks))[0, : P - 1]  # [P-1, V]
-            logits = logits - logits.max(-1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # [P-1, V]
-            ids = np.asarray(prompt[1:])  # [P-1]
-            lp = logp[np.arange(P - 1), ids]  # [P-1]
-            rank = (logp >= lp[:, None]).sum(-1)  # [P-1]
-            kk = min(k, logp.shape[-1])
-            top = np.argpartition(-logp, kk - 1, -1)[:, :kk] if kk else np.zeros((P - 1, 0), int)
-            vals = np.take_along_axis(logp, top, -1)  # [P-1, k], unordered
-            order = np.argsort(-vals, axis=-1, kind="stable")
-            top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
-            return [
-                (int(t), float(lp[i]), int(rank[i]), tuple(zip(top[i].tolist(), vals[i].tolist())))
-                for i, t in enumerate(ids)
-            ]
+            return R.prompt_entries(logits, prompt, k)
 
         return self.engine.call(run)
 
 
-def _validate(body: bytes, model: type[P.BaseModel]):
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise P.validation_error(e.errors()) from None
-
-
 async def _parse(request: Request, srv: _Server, model: type[P.BaseModel], unsupported=()):
     """The request body as `model`, for the served model, with no `unsupported` field set."""
-    req = _validate(await request.body(), model)
+    req = P.parse_body(await request.body(), model)
     srv.check_model(req.model)
     for field in unsupported:
         if getattr(req, field):
@@ -279,60 +258,15 @@ def build_app(
         logprobs = P.chat_logprobs(req)
         return await _generate(request, srv, req, prompts, max_tokens, logprobs)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await request.body()
-        try:  # vLLM's two bodies: a conversation has messages
-            raw = json.loads(body)
-        except ValueError:
-            raw = None  # the prompt body's validation names the fault
-        chat = isinstance(raw, dict) and "messages" in raw
-        req = _validate(body, P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest)
-        if req.model is not None:
-            srv.check_model(req.model)
-        if chat:
-            for field in ("chat_template", "tools"):
-                if getattr(req, field):
-                    raise P.APIError(400, f"{field}: not supported by this server", field)
-            text = P.chat_prompt(req, tokenizer, srv.chat_template)
-        else:
-            text = req.prompt
-        ids = encode_prompt(tokenizer, text) if req.add_special_tokens else encode(tokenizer, text)
-        strs = [_token_str(tokenizer, t) for t in ids] if req.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": srv.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = _validate(await request.body(), P.DetokenizeRequest)
-        if req.model is not None:
-            srv.check_model(req.model)
-        vocab = srv.engine.engine.cfg.vocab_size  # the ids a prompt may hold
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise P.APIError(400, f"tokens: {bad} is not a token id in [0, {vocab})", "tokens")
-        return {"prompt": decode(tokenizer, req.tokens, skip_special_tokens=False)}
-
+    tokenization.add_routes(app, srv, tokenizer)
     return app
-
-
-def _token_str(tokenizer: Any, tid: int) -> str:
-    """A token as the vocabulary writes it (vLLM's `convert_ids_to_tokens`)."""
-    to_token = getattr(tokenizer, "id_to_token", None)  # tokenizers.Tokenizer
-    if to_token is not None:
-        return to_token(tid)
-    return tokenizer.convert_ids_to_tokens(tid)
 
 
 async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, logprobs):
     chat = isinstance(req, P.ChatCompletionRequest)
     field = "messages" if chat else "prompt"
     cfg = srv.engine.engine.cfg
-    bad_words = P.bad_words_ids(req, srv.tokenizer)
+    bad_words = tokenization.bad_words_ids(req, srv.tokenizer)
     sp = P.sampling_params(req, max_tokens, logprobs, srv.max_n, bad_words)
     opts = P.text_options(req, stop_ids(cfg, sp), sp.min_tokens)
     if srv.speculative and sp.logprobs is not None:

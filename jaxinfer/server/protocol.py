@@ -4,15 +4,15 @@ chat request's prompt (its messages rendered by the chat template).
 Field names and defaults follow the OpenAI API (and vLLM's extensions `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
 `spaces_between_special_tokens`, `truncate_prompt_tokens`, `bad_words`, `prompt_logprobs`,
-`add_special_tokens`, chat's `continue_final_message`, and its `/tokenize` and `/detokenize`
-bodies). Types are strict: a string where a number belongs, a float where an int belongs, or a
-bool where a number belongs is a 400 naming the field; unknown fields are ignored (clients send
-vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI),
+`add_special_tokens`, chat's `continue_final_message`; its `/tokenize` and `/detokenize` bodies are
+in `tokenization.py`). Types are strict: a string where a number belongs, a float where an int
+belongs, or a bool where a number belongs is a 400 naming the field; unknown fields are ignored
+(clients send vendor extras). `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI),
 `repetition_penalty`, `min_tokens`, `allowed_token_ids` and `bad_words` (vLLM; tokenized by
-`bad_words_ids`) map to the engine's penalties and masks (`jaxinfer.penalties`). Known fields
-that change the output but that the engine does not implement (`best_of` other than n, `suffix`,
-tools, vLLM's guided decoding and others: `UNIMPLEMENTED`) are accepted only at their neutral
-value and refused by name otherwise.
+`tokenization.bad_words_ids`) map to the engine's penalties and masks (`jaxinfer.penalties`).
+Known fields that change the output but that the engine does not implement (`best_of` other
+than n, `suffix`, tools, vLLM's guided decoding and others: `UNIMPLEMENTED`) are accepted only
+at their neutral value and refused by name otherwise.
 
 Errors are raised as `APIError(status, message, param)` and rendered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}` by the app.
@@ -25,12 +25,12 @@ import random
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxinfer.chat import apply_chat_template
 from jaxinfer.checks import INT32_MAX
-from jaxinfer.sampling import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MIN_POSITIVE, SamplingParams
-from jaxinfer.server.detokenizer import TextOptions, encode
+from jaxinfer.sampling import MIN_POSITIVE, SamplingParams
+from jaxinfer.server.detokenizer import TextOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (the engine's too; vLLM's default max_logprobs)
 # The roles of OpenAI's chat messages; content may be null or absent only where its types allow
@@ -164,32 +164,6 @@ class ChatCompletionRequest(_Sampling, ChatInput):
     modalities: Any = None
 
 
-class TokenizeCompletionRequest(_Strict):
-    """vLLM's POST /tokenize body of a prompt."""
-
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True  # the tokenizer's post-processor (a BOS), as a completion
-    return_token_strs: bool | None = False
-
-
-class TokenizeChatRequest(ChatInput):
-    """vLLM's POST /tokenize body of a conversation, rendered as /v1/chat/completions renders it."""
-
-    model: str | None = None
-    return_token_strs: bool | None = False
-    # vLLM's, not built here: refused unless neutral (the chat route's own answer to each).
-    chat_template: Any = None
-    tools: Any = None
-
-
-class DetokenizeRequest(_Strict):
-    """vLLM's POST /detokenize body."""
-
-    model: str | None = None
-    tokens: list[int]
-
-
 # Fields of OpenAI's API or vLLM's extensions that change what is generated and that this server
 # does not implement: set to anything but their neutral value, a request is refused naming the
 # field, never served as if the field had not been sent. (Unknown fields are still ignored.)
@@ -284,48 +258,6 @@ def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> in
             f"{room} prompt tokens",
         )
     return k
-
-
-def bad_words_ids(req: _Sampling, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """`bad_words` as token sequences, as vLLM's `SamplingParams.update_from_tokenizer` makes
-    them: each word without its leading whitespace, encoded without special tokens, and also
-    " " + that word where it encodes to as many tokens with another first one (the word-start
-    token of a byte-level BPE vocabulary, so the word is banned after a space too). Raises
-    APIError(400) naming `bad_words`: a word that encodes to no tokens, one longer than
-    MAX_BAD_WORD_LEN tokens, or more than MAX_BAD_WORDS sequences in all.
-
-    Args:
-      req: the parsed request.
-      tokenizer: the served tokenizer.
-    """
-    words = req.bad_words or []
-    if len(words) > MAX_BAD_WORDS:  # each word is at least one sequence: before encoding them
-        raise _bad("bad_words", f"{len(words)} words; at most {MAX_BAD_WORDS} token sequences")
-    out: list[list[int]] = []
-    for i, word in enumerate(words):
-        ids = encode(tokenizer, word.lstrip())
-        if not ids:
-            raise _bad(
-                "bad_words",
-                f"word {i} {shown(word)} encodes to no tokens once its leading whitespace is "
-                "stripped",
-            )
-        if len(ids) > MAX_BAD_WORD_LEN:
-            raise _bad(
-                "bad_words",
-                f"word {i} {shown(word)} is {len(ids)} tokens; at most {MAX_BAD_WORD_LEN}",
-            )
-        out.append(ids)
-        spaced = encode(tokenizer, " " + word.lstrip())
-        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
-            out.append(spaced)
-    if len(out) > MAX_BAD_WORDS:
-        raise _bad(
-            "bad_words",
-            f"{len(words)} words encode to {len(out)} token sequences (a word after a space is "
-            f"its own sequence where it encodes differently); at most {MAX_BAD_WORDS}",
-        )
-    return tuple(tuple(ids) for ids in out)
 
 
 def num_prompt_logprobs(req: _Sampling) -> int | None:
@@ -534,6 +466,14 @@ def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> st
         if param == "continue_final_message" and req.add_generation_prompt:
             message += " (add_generation_prompt is true unless sent false)"
         raise _bad(param, message) from None
+
+
+def parse_body(body: bytes, model: type[BaseModel]):
+    """A request body as `model`; raises APIError(400) naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
 
 
 def validation_error(errors: list[dict]) -> APIError:

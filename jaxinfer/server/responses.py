@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from jaxinfer.server.detokenizer import IncrementalDetokenizer, StopMatcher, TextOptions
 
 
@@ -133,3 +135,24 @@ def chat_logprobs(srv: Any, entries: list) -> dict:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def prompt_entries(logits: np.ndarray, prompt: list[int], k: int) -> list[tuple]:
+    """Prompt tokens 1.. as `(id, logprob, rank, top)` from the logits that predict them
+    (`[P-1, V]`), top the k most likely `((id, logprob), ...)`; the rank is vLLM's, the number
+    of tokens at least as likely (1: the argmax)."""
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # [P-1, V]
+    n = logp.shape[0]
+    ids = np.asarray(prompt[1:])  # [P-1]
+    lp = logp[np.arange(n), ids]  # [P-1]
+    rank = (logp >= lp[:, None]).sum(-1)  # [P-1]
+    kk = min(k, logp.shape[-1])
+    top = np.argpartition(-logp, kk - 1, -1)[:, :kk] if kk else np.zeros((n, 0), int)
+    vals = np.take_along_axis(logp, top, -1)  # [P-1, k], unordered
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    top, vals = np.take_along_axis(top, order, -1), np.take_along_axis(vals, order, -1)
+    return [
+        (int(t), float(lp[i]), int(rank[i]), tuple(zip(top[i].tolist(), vals[i].tolist())))
+        for i, t in enumerate(ids)
+    ]

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import processors
 
 import jaxinfer as ji
-from jaxinfer.server import protocol
+from jaxinfer.server import protocol, tokenization
 from tests.server.conftest import CHAT_TEMPLATE, MODEL, check_prompt_logprobs
 
 PROMPT = "def add(a, b):\n    return"
@@ -44,7 +44,7 @@ def _bad_words_ids(tokenizer, words):
     req = protocol.CompletionRequest.model_validate(
         {"model": MODEL, "prompt": "x", "bad_words": words}
     )
-    return protocol.bad_words_ids(req, tokenizer)
+    return tokenization.bad_words_ids(req, tokenizer)
 
 
 class _PrefixSpaceTokenizer:
