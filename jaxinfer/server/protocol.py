@@ -74,15 +74,17 @@ class APIError(Exception):
         }
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body: strict types (no coercion of "1" to 1), unknown fields ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -124,7 +126,7 @@ class _Sampling(_Strict):
     truncation_side: Any = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
@@ -139,7 +141,7 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None  # a list: text parts, checked by chat_messages
 
 
-class ChatInput(_Strict):
+class ChatInput(StrictModel):
     """A conversation for the chat template (chat_prompt)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -152,7 +154,7 @@ class ChatInput(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_Sampling, ChatInput):
+class ChatCompletionRequest(SamplingFields, ChatInput):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -183,7 +185,8 @@ UNIMPLEMENTED = {
 }
 
 
-def _bad(param: str, message: str) -> APIError:
+def bad_param(param: str, message: str) -> APIError:
+    """The 400 for an invalid request field, naming it."""
     return APIError(400, f"{param}: {message}", param)
 
 
@@ -194,35 +197,37 @@ def shown(value: Any, limit: int = 80) -> str:
     return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
-def _check_neutral(req: _Sampling) -> None:
+def _check_neutral(req: SamplingFields) -> None:
     if req.best_of is not None and req.best_of != req.n:
-        raise _bad("best_of", "only best_of = n is supported")
+        raise bad_param("best_of", "only best_of = n is supported")
     for field, neutral in UNIMPLEMENTED.items():
         value = getattr(req, field, None)
         if not neutral(value):
-            raise _bad(field, f"{shown(value)} is not supported by this server")
+            raise bad_param(field, f"{shown(value)} is not supported by this server")
 
 
-def logit_bias(req: _Sampling) -> dict[int, float]:
+def logit_bias(req: SamplingFields) -> dict[int, float]:
     """`logit_bias` with int keys; raises APIError(400) naming a key that is not a token id
     (OpenAI's keys are token ids written as strings). The vocabulary bound is
     `jaxinfer.requests.check_sampling`'s, a 400 naming `logit_bias` too."""
     out = {}
     for key, bias in (req.logit_bias or {}).items():
         if not re.fullmatch(r"\d{1,10}", key.strip()):
-            raise _bad("logit_bias", f"key {shown(key)} is not a token id (an int >= 0)")
+            raise bad_param("logit_bias", f"key {shown(key)} is not a token id (an int >= 0)")
         out[int(key)] = bias
     return out
 
 
-def stop_strings(req: _Sampling) -> list[str]:
+def stop_strings(req: SamplingFields) -> list[str]:
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
     if any(s == "" for s in stop):
-        raise _bad("stop", "stop strings must be non-empty")
+        raise bad_param("stop", "stop strings must be non-empty")
     return list(stop)
 
 
-def text_options(req: _Sampling, stop_token_ids: tuple[int, ...], min_tokens: int) -> TextOptions:
+def text_options(
+    req: SamplingFields, stop_token_ids: tuple[int, ...], min_tokens: int
+) -> TextOptions:
     """How the request's token ids become text (vLLM's defaults where a field is absent)."""
     return TextOptions(
         stops=tuple(stop_strings(req)),
@@ -234,7 +239,7 @@ def text_options(req: _Sampling, stop_token_ids: tuple[int, ...], min_tokens: in
     )
 
 
-def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> int | None:
+def truncation(req: SamplingFields, max_model_len: int, max_tokens: int | None) -> int | None:
     """How many last prompt tokens `truncate_prompt_tokens` keeps (None: all), as vLLM: -1 is
     the context left for max_tokens, any k >= 1 at most that; raises APIError(400) naming it.
 
@@ -250,9 +255,9 @@ def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> in
     if k == -1:
         return max(room, 1)  # room < 1: max_tokens alone overflows, a 400 naming it follows
     if k < 1:
-        raise _bad("truncate_prompt_tokens", f"{k} must be -1 (all that fit) or an int >= 1")
+        raise bad_param("truncate_prompt_tokens", f"{k} must be -1 (all that fit) or an int >= 1")
     if k > room >= 1:
-        raise _bad(
+        raise bad_param(
             "truncate_prompt_tokens",
             f"{k} is more than max_model_len {max_model_len} - max_tokens {max_tokens or 0} = "
             f"{room} prompt tokens",
@@ -260,7 +265,7 @@ def truncation(req: _Sampling, max_model_len: int, max_tokens: int | None) -> in
     return k
 
 
-def num_prompt_logprobs(req: _Sampling) -> int | None:
+def num_prompt_logprobs(req: SamplingFields) -> int | None:
     """vLLM's `prompt_logprobs`: None, or how many top alternatives each prompt token's entry
     holds beside the token itself; raises APIError(400) naming it. As vLLM: refused with
     stream = true unless 0 (a stream carries no prompt logprobs); -1 (the whole vocabulary) and
@@ -269,9 +274,9 @@ def num_prompt_logprobs(req: _Sampling) -> int | None:
     if k is None:
         return None
     if req.stream and k != 0:
-        raise _bad("prompt_logprobs", "not available when stream = true")
+        raise bad_param("prompt_logprobs", "not available when stream = true")
     if not 0 <= k <= MAX_LOGPROBS:
-        raise _bad(
+        raise bad_param(
             "prompt_logprobs",
             f"{k} must be in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is more than "
             f"{MAX_LOGPROBS} too)",
@@ -280,7 +285,7 @@ def num_prompt_logprobs(req: _Sampling) -> int | None:
 
 
 def sampling_params(
-    req: _Sampling,
+    req: SamplingFields,
     max_tokens: int,
     logprobs: int | None,
     max_n: int,
@@ -297,39 +302,39 @@ def sampling_params(
     """
     _check_neutral(req)
     if req.stream_options is not None and not req.stream:  # as OpenAI: not silently ignored
-        raise _bad("stream_options", "only allowed when stream is true")
+        raise bad_param("stream_options", "only allowed when stream is true")
     t = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(t) or not (t == 0 or t >= MIN_POSITIVE):
-        raise _bad("temperature", f"{t!r} must be 0 or a finite number >= 1e-30")
+        raise bad_param("temperature", f"{t!r} must be 0 or a finite number >= 1e-30")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not MIN_POSITIVE <= top_p <= 1:
-        raise _bad("top_p", f"{top_p!r} must be in (0, 1] (at least 1e-30)")
+        raise bad_param("top_p", f"{top_p!r} must be in (0, 1] (at least 1e-30)")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
     if not 0 <= top_k <= INT32_MAX:
-        raise _bad("top_k", f"{req.top_k!r} must be -1 or 0 (off) or an int in [1, 2**31 - 1]")
+        raise bad_param("top_k", f"{req.top_k!r} must be -1 or 0 (off) or an int in [1, 2**31 - 1]")
     min_p = 0.0 if req.min_p is None else req.min_p
     if not 0 <= min_p <= 1:
-        raise _bad("min_p", f"{min_p!r} must be in [0, 1]")
+        raise bad_param("min_p", f"{min_p!r} must be in [0, 1]")
     # The engine's ints travel as int32: a larger one is a 400 here, not a 500 below.
     if not 1 <= max_tokens <= INT32_MAX:
         chat_limit = getattr(req, "max_completion_tokens", None) is not None
         field = "max_completion_tokens" if chat_limit else "max_tokens"
-        raise _bad(field, f"{max_tokens} must be in [1, 2**31 - 1]")
+        raise bad_param(field, f"{max_tokens} must be in [1, 2**31 - 1]")
     if not 1 <= req.n <= max_n:
-        raise _bad("n", f"{req.n} must be in [1, {max_n}] (the engine's max_num_seqs)")
+        raise bad_param("n", f"{req.n} must be in [1, {max_n}] (the engine's max_num_seqs)")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
-        raise _bad(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
+        raise bad_param(field, f"{logprobs} must be in [0, {MAX_LOGPROBS}]")
     allowed = req.allowed_token_ids
     if allowed is not None and (not allowed or min(allowed) < 0):
-        raise _bad(
+        raise bad_param(
             "allowed_token_ids",
             f"{min(allowed)}: token ids must be >= 0" if allowed else "must not be empty",
         )
     stops = req.stop_token_ids or []
     if any(not 0 <= s <= INT32_MAX for s in stops):
         bad = next(s for s in stops if not 0 <= s <= INT32_MAX)
-        raise _bad("stop_token_ids", f"{bad}: token ids must be in [0, 2**31 - 1]")
+        raise bad_param("stop_token_ids", f"{bad}: token ids must be in [0, 2**31 - 1]")
     # OpenAI seeds are any int; the engine's keys take [0, 2**31). No seed: a fresh one.
     seed = random.randrange(2**31) if req.seed is None else req.seed % 2**31
     try:
@@ -358,7 +363,7 @@ def sampling_params(
         if field == "bad_words_ids":  # the request's field, without all its sequences echoed
             field = "bad_words"
             message = "its token sequences: " + message.split(" is invalid: ", 1)[-1]
-        raise _bad(field, message) from None
+        raise bad_param(field, message) from None
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
@@ -367,7 +372,7 @@ def completion_logprobs(req: CompletionRequest) -> int | None:
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
-        raise _bad("top_logprobs", "requires logprobs = true")
+        raise bad_param("top_logprobs", "requires logprobs = true")
     if not req.logprobs:
         return None
     return 0 if req.top_logprobs is None else req.top_logprobs
@@ -378,14 +383,16 @@ def _content_text(param: str, parts: list) -> str:
     texts = []
     for j, part in enumerate(parts):
         if not isinstance(part, dict):
-            raise _bad(param, f"part {j} is {type(part).__name__}, expected a content part object")
+            raise bad_param(
+                param, f"part {j} is {type(part).__name__}, expected a content part object"
+            )
         if part.get("type") != "text":
-            raise _bad(
+            raise bad_param(
                 param,
                 f"part {j} has type {shown(part.get('type'))}; this server takes only 'text' parts",
             )
         if not isinstance(part.get("text"), str):
-            raise _bad(param, f"part {j}: a 'text' part needs a string 'text'")
+            raise bad_param(param, f"part {j}: a 'text' part needs a string 'text'")
         texts.append(part["text"])
     return "\n".join(texts)  # as vLLM joins a message's text parts
 
@@ -396,16 +403,16 @@ def chat_messages(req: ChatInput) -> list[dict]:
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
-            raise _bad(
+            raise bad_param(
                 f"messages.{i}.role", f"{shown(m.role)} is not one of {', '.join(CHAT_ROLES)}"
             )
         if m.content is None and m.role not in _NULL_CONTENT_ROLES:
-            raise _bad(
+            raise bad_param(
                 f"messages.{i}.content",
                 f"a {shown(m.role)} message needs content (a string or a list of text parts)",
             )
         if isinstance(m.content, list) and not m.content:  # as OpenAI answers
-            raise _bad(f"messages.{i}.content", "an empty list of content parts")
+            raise bad_param(f"messages.{i}.content", "an empty list of content parts")
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             d["content"] = _content_text(f"messages.{i}.content", m.content)
@@ -434,13 +441,13 @@ def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> st
     kwargs = req.chat_template_kwargs or {}
     taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
     if taken:
-        raise _bad(
+        raise bad_param(
             "chat_template_kwargs", f"{taken} cannot be set here (messages, "
             "add_generation_prompt and continue_final_message are request fields; the template "
             "is the server's)",
         )  # fmt: skip
     if kwargs.get("tools"):  # the `tools` field is refused: not through the back door either
-        raise _bad("chat_template_kwargs.tools", "tools are not supported by this server")
+        raise bad_param("chat_template_kwargs.tools", "tools are not supported by this server")
     cont = req.continue_final_message  # with add_generation_prompt, refused by the renderer
 
     def render(kw: dict, continued: bool) -> str:
@@ -465,7 +472,7 @@ def chat_prompt(req: ChatInput, tokenizer: Any, chat_template: str | None) -> st
         message = str(e).removeprefix(f"{param}: ")
         if param == "continue_final_message" and req.add_generation_prompt:
             message += " (add_generation_prompt is true unless sent false)"
-        raise _bad(param, message) from None
+        raise bad_param(param, message) from None
 
 
 def parse_body(body: bytes, model: type[BaseModel]):

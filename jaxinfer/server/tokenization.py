@@ -20,7 +20,7 @@ from jaxinfer.server import protocol as P
 from jaxinfer.server.detokenizer import decode, encode, encode_prompt
 
 
-class TokenizeCompletionRequest(P._Strict):
+class TokenizeCompletionRequest(P.StrictModel):
     """vLLM's POST /tokenize body of a prompt."""
 
     model: str | None = None
@@ -39,14 +39,14 @@ class TokenizeChatRequest(P.ChatInput):
     tools: Any = None
 
 
-class DetokenizeRequest(P._Strict):
+class DetokenizeRequest(P.StrictModel):
     """vLLM's POST /detokenize body."""
 
     model: str | None = None
     tokens: list[int]
 
 
-def bad_words_ids(req: P._Sampling, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+def bad_words_ids(req: P.SamplingFields, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
     """`bad_words` as token sequences, as vLLM's `SamplingParams.update_from_tokenizer` makes
     them: each word without its leading whitespace, encoded without special tokens, and also
     " " + that word where it encodes to as many tokens with another first one (the word-start
@@ -60,18 +60,20 @@ def bad_words_ids(req: P._Sampling, tokenizer: Any) -> tuple[tuple[int, ...], ..
     """
     words = req.bad_words or []
     if len(words) > MAX_BAD_WORDS:  # each word is at least one sequence: before encoding them
-        raise P._bad("bad_words", f"{len(words)} words; at most {MAX_BAD_WORDS} token sequences")
+        raise P.bad_param(
+            "bad_words", f"{len(words)} words; at most {MAX_BAD_WORDS} token sequences"
+        )
     out: list[list[int]] = []
     for i, word in enumerate(words):
         ids = encode(tokenizer, word.lstrip())
         if not ids:
-            raise P._bad(
+            raise P.bad_param(
                 "bad_words",
                 f"word {i} {P.shown(word)} encodes to no tokens once its leading whitespace is "
                 "stripped",
             )
         if len(ids) > MAX_BAD_WORD_LEN:
-            raise P._bad(
+            raise P.bad_param(
                 "bad_words",
                 f"word {i} {P.shown(word)} is {len(ids)} tokens; at most {MAX_BAD_WORD_LEN}",
             )
@@ -80,7 +82,7 @@ def bad_words_ids(req: P._Sampling, tokenizer: Any) -> tuple[tuple[int, ...], ..
         if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
             out.append(spaced)
     if len(out) > MAX_BAD_WORDS:
-        raise P._bad(
+        raise P.bad_param(
             "bad_words",
             f"{len(words)} words encode to {len(out)} token sequences (a word after a space is "
             f"its own sequence where it encodes differently); at most {MAX_BAD_WORDS}",
