@@ -264,6 +264,8 @@ def build_app(
 
 async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, logprobs):
     chat = isinstance(req, P.ChatCompletionRequest)
+    # vLLM's response role: the assistant's after a generation prompt, else the final message's.
+    role = "assistant" if not chat or req.add_generation_prompt else req.messages[-1].role
     field = "messages" if chat else "prompt"
     cfg = srv.engine.engine.cfg
     bad_words = tokenization.bad_words_ids(req, srv.tokenizer)
@@ -405,7 +407,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
                 )
             c = {"index": ch.index, "logprobs": lp, "finish_reason": ch.finish_reason}
             if chat:
-                c["message"] = {"role": "assistant", "content": text}
+                c["message"] = {"role": role, "content": text}
             else:
                 c["text"] = text
                 if prompt_logprobs is not None:  # vLLM's: on each choice of a completion
@@ -437,7 +439,7 @@ async def _generate(request: Request, srv: _Server, req, prompts, max_tokens, lo
         offsets[ch.index] += len(text)
         reason = ch.finish_reason if ch.finished and ch.finish_reason != "error" else None
         if chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"role": role, "content": text} if first else {"content": text}
             c = {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             c = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": reason}

@@ -188,6 +188,17 @@ def test_continue_final_message_leaves_the_final_message_open(model, server, cli
     ref = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert r["usage"]["prompt_tokens"] == len(ids)
     assert r["choices"][0]["message"]["content"] == ref.choices[0].text
+    # vLLM's role without a generation prompt: the final message's, streamed or not.
+    assert r["choices"][0]["message"]["role"] == "assistant"
+    user = {**body, "messages": messages[:1], "continue_final_message": False, "max_tokens": 2}
+    assert _post(server, "/v1/chat/completions", user)["choices"][0]["message"]["role"] == "user"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages[:1], max_tokens=2, stream=True,
+        extra_body={"add_generation_prompt": False},
+    )  # fmt: skip
+    assert next(iter(stream)).choices[0].delta.role == "user"
+    opened = _post(server, "/v1/chat/completions", {**user, "add_generation_prompt": True})
+    assert opened["choices"][0]["message"]["role"] == "assistant"
 
 
 @pytest.fixture
