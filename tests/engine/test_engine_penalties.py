@@ -204,6 +204,34 @@ def test_speculative_engine_matches_generate(params, drafter, gamma, budget):
     assert engine.allocator.num_used_blocks == 0
 
 
+# (request, i): ban plain greedy's tokens i and i + 1 of that request. In these cycles the
+# n-gram drafter (γ = 3) proposes the pair whole, so the verified position of the second token
+# follows the first as a draft of the same cycle.
+DRAFTED_PAIRS = [(0, 4), (1, 5), (4, 1), (4, 6), (8, 9)]
+
+
+@pytest.mark.parametrize("loop", ["engine", "standalone"])
+def test_ngram_drafts_that_complete_a_ban_are_read(params, loop):
+    """A ban whose prefix is a draft of the cycle that verifies its last token: only the tail
+    extended by the drafts (`tails_at_drafts`) shows that the banned token follows it."""
+    sp = ji.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    plain = ji.generate(CFG, params, PROMPTS, sp, backend="reference")
+    prompts = [PROMPTS[k] for k, _ in DRAFTED_PAIRS]
+    bans = [tuple(plain[k].token_ids[i : i + 2]) for k, i in DRAFTED_PAIRS]
+    sps = [dataclasses.replace(sp, bad_words_ids=[ban]) for ban in bans]
+    ref = ji.generate(CFG, params, prompts, sps, backend="reference")
+    for (k, i), r in zip(DRAFTED_PAIRS, ref):  # each ban bites where plain had the pair
+        assert r.token_ids[: i + 1] == plain[k].token_ids[: i + 1], k
+        assert r.token_ids[i + 1] != plain[k].token_ids[i + 1], k
+    if loop == "engine":
+        spec = SpeculativeConfig(drafter="ngram", num_speculative_tokens=3)
+        outs = Engine(CFG, params, _spec_ecfg(spec, 256)).generate(prompts, sps)
+    else:
+        outs = ji.speculative.generate((CFG, params), "ngram", prompts, sps, gamma=3,
+                                       backend="reference")  # fmt: skip
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
 def test_speculative_coupled_sampling_matches_generate(params):
     sps = _settings(0.8)
     ref = ji.generate(CFG, params, PROMPTS, sps, backend="reference")
