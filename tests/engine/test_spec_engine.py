@@ -290,7 +290,7 @@ def test_controller_probes_out_of_gamma_zero_and_follows_recent_acceptance():
     counters = cycles.SpecCounters(3)
     ctl = cycles.GammaController(3, None, counters)
     for g in range(4):  # a step costs 1 + 0.3 γ ms at B = 1: γ > 0 pays only if drafts land
-        ctl.times[(g, 1)] = collections.deque([1e-3 * (1 + 0.3 * g)])
+        ctl.times[ctl.key(g, 1)] = collections.deque([1e-3 * (1 + 0.3 * g)])
 
     def run(steps: int, accept: bool) -> list[int]:
         chosen = []
@@ -311,6 +311,23 @@ def test_controller_probes_out_of_gamma_zero_and_follows_recent_acceptance():
     assert counters.accepted_at[0] < counters.reached[0]  # the totals keep every cycle
     fixed = cycles.GammaController(3, 0, cycles.SpecCounters(3))
     assert {fixed.choose(1)[0] for _ in range(100)} == {0}  # a fixed γ never probes
+
+
+def test_controller_cells_are_compiled_shapes():
+    """A table cell is (γ, padded B, padded T): rows of one B bucket whose steps run different
+    T buckets are priced apart (16 rows at γ = 4 run T = 80, padded to 128; 12 rows 60, to 64)."""
+    from jaxinfer.engine import cycles
+    from jaxinfer.engine.buckets import pad_tokens
+
+    ctl = cycles.GammaController(
+        4, None, cycles.SpecCounters(4), lambda t: pad_tokens(t, (1, 4, 8, 16))
+    )
+    assert ctl.key(4, 16) == (4, 16, 128) and ctl.key(4, 12) == (4, 16, 64)
+    assert ctl.key(4, 13) == (4, 16, 128) and ctl.key(0, 3) == (0, 4, 4)
+    for rows, seconds in ((16, 9.0), (16, 0.30), (12, 9.0), (16, 0.32), (12, 0.21), (13, 0.31)):
+        ctl.observe(4, rows, seconds)  # the first of each cell compiles: dropped
+    assert ctl.step_time(4, 16) == pytest.approx(0.31) and ctl.step_time(4, 12) == 0.21
+    assert ctl.step_time(4, 8) is None
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -341,7 +358,8 @@ def test_bad_configuration_is_a_value_error(pair):
 
 def test_controller_times_whole_steps(pair, tmp_path):
     """The controller's table holds each decode-only step's whole time (host work included), so
-    every observation exceeds that step's draft + verify time in the cycle log."""
+    every observation exceeds that step's draft + verify time in the cycle log; only steps in
+    which every row drafts the step's γ are timed."""
     (cfg, params), _ = pair
     log = str(tmp_path / "cycles.jsonl")
     spec = SpeculativeConfig(drafter="ngram", num_speculative_tokens=2)
@@ -356,5 +374,12 @@ def test_controller_times_whole_steps(pair, tmp_path):
     assert len(seen) >= 5  # decode-only steps of two requests
     for step, g, b, s in seen:
         mine = [r for r in records if r["step"] == step]
-        assert g == max(r["gamma"] for r in mine) and b == mine[0]["batch_size"]
+        assert all(r["gamma"] == g for r in mine) and b == mine[0]["batch_size"]
         assert s > (mine[0]["draft_ms"] + mine[0]["verify_ms"]) / 1e3
+    # Steps in which one row's γ was cut short (its request near max_tokens) and another's was
+    # not are not timed: they are smaller steps than (γ, B) and would price it low.
+    by_step: dict = {}
+    for r in records:
+        by_step.setdefault(r["step"], set()).add(r["gamma"])
+    mixed = {step for step, gs in by_step.items() if len(gs) > 1}
+    assert mixed and not mixed & {step for step, *_ in seen}
