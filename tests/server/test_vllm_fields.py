@@ -235,3 +235,28 @@ def test_add_special_tokens(model, client, bos_post_processor):
         assert r.choices[0].message.content == ref.choices[0].text, extra
         texts[("chat", len(want))] = r.choices[0].message.content
     assert len(set(texts.values())) == 4  # the BOS changes each greedy text: the check can fail
+
+
+def test_special_tokens_in_logprobs_are_named_by_their_text(model, server):
+    """A special token in logprobs is shown as its literal text, also where the response text
+    drops it: prompt_logprobs' decoded_token for a <|bos|> inside the prompt, and the chat
+    entry (token and its UTF-8 bytes) of an eos that ends the sample (vLLM shows both)."""
+    cfg, _, tok = model
+    bos, eos = tok.id_to_token(BOS), tok.id_to_token(cfg.eos_token_id)
+    assert bos.startswith("<|") and eos.startswith("<|") and bos != eos
+    ids = _enc(tok, PROMPT)
+    prompt = ids[:2] + [BOS] + ids[2:4]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1}
+    r = _post(server, "/v1/completions", body)
+    entry = r["choices"][0]["prompt_logprobs"][2]
+    assert entry[str(BOS)]["decoded_token"] == bos
+    for j, e in entry.items():  # the most likely token there, whatever it is, by its text too
+        assert e["decoded_token"] == tok.decode([int(j)], skip_special_tokens=False)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "logprobs": True, "top_logprobs": 1,
+            "logit_bias": {str(cfg.eos_token_id): 100}}  # fmt: skip
+    r = _post(server, "/v1/chat/completions", body)
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    (item,) = choice["logprobs"]["content"]
+    assert item["token"] == eos and item["bytes"] == list(eos.encode("utf-8"))
