@@ -9,7 +9,10 @@ distilled draft model.
 1. **Teacher features, once.** The target's compiled dense forward (`forward_dense(...,
    return_hidden=True)`) runs over non-overlapping windows of a corpus split; per position it
    yields the last layer's feature (float16 on disk) and the teacher's soft label, its top-k
-   next-token probabilities at temperature 1 (ids and float16 probs). They are cached under
+   next-token probabilities at temperature 1 (ids and float16 probs). With
+   `--generated_windows`, more windows follow the corpus ones: a prompt from the split and the
+   target's own greedy continuation of it (self-distillation: the head learns the text it will
+   draft for, the target's, loops and all). They are cached under
    `--features_dir`, keyed by target, split, window and token count, and reused by every run
    and every kind. Keeping the top-k instead of the full 49,152-way distribution is what makes
    the cache small (k = 16: 96 bytes a position against 196 kB).
@@ -72,6 +75,11 @@ class DrafterTrainConfig:
     split: str = "train"  # corpus split the features come from
     num_tokens: int = 131072  # teacher positions to cache (windows of seq_len)
     seq_len: int = 256
+    # Self-distillation (SpecForge's advice): this many more windows, each a prompt of
+    # prompt_len split tokens followed by the target's own greedy continuation.
+    generated_windows: int = 0
+    prompt_len: int = 64
+    generate_batch: int = 64  # prompts per ji.generate call (not in the cache key)
     feature_batch: int = 16  # windows per compiled teacher forward
     topk: int = 16  # teacher soft-label entries kept per position
     steps: int = 300
@@ -102,9 +110,13 @@ def _check(tc: DrafterTrainConfig) -> None:
     if not tc.workdir:
         raise ValueError("workdir must be set")
     for name in ("num_tokens", "seq_len", "feature_batch", "topk", "steps", "batch_size",
-                 "checkpoint_every", "num_medusa_heads", "unroll"):  # fmt: skip
+                 "checkpoint_every", "num_medusa_heads", "unroll", "generate_batch"):  # fmt: skip
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)!r}; expected >= 1")
+    if tc.generated_windows < 0:
+        raise ValueError(f"generated_windows={tc.generated_windows!r}; expected >= 0")
+    if tc.generated_windows and not 1 <= tc.prompt_len < tc.seq_len:
+        raise ValueError(f"prompt_len={tc.prompt_len!r}; expected in [1, seq_len={tc.seq_len})")
     if tc.num_tokens < tc.seq_len * tc.batch_size:
         raise ValueError(
             f"num_tokens={tc.num_tokens} holds fewer than batch_size={tc.batch_size} windows "
@@ -121,12 +133,40 @@ FEATURE_FILES = ("tokens", "hidden", "top_ids", "top_probs")
 
 def _feature_key(tc: DrafterTrainConfig, path: str) -> str:
     what = [os.path.abspath(path), tc.split, tc.num_tokens, tc.seq_len, tc.topk]
+    if tc.generated_windows:
+        what += [tc.generated_windows, tc.prompt_len]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
+
+
+def generated_windows(tc: DrafterTrainConfig, cfg, params, stream: np.ndarray, start: int):
+    """`[generated_windows, seq_len]` int32: prompts of prompt_len tokens spread evenly over
+    `stream[start:]` (the part the corpus windows leave), each followed by the target's greedy
+    continuation (eos ignored, so every window is whole). Deterministic: greedy, fixed prompts."""
+    n, rest = tc.generated_windows, stream.shape[0] - start
+    stride = (rest - tc.prompt_len) // max(n, 1)
+    if stride < 1:
+        raise ValueError(
+            f"generated_windows={n}: the split has {rest} tokens left after the corpus windows, "
+            f"too few for {n} distinct prompts of {tc.prompt_len}"
+        )
+    at = start + stride * np.arange(n)
+    prompts = [stream[a : a + tc.prompt_len].tolist() for a in at]
+    sp = ji.SamplingParams(temperature=0.0, max_tokens=tc.seq_len - tc.prompt_len, ignore_eos=True)
+    rows, gb = [], tc.generate_batch
+    for i in tqdm(range(0, n, gb), desc="target continuations", unit="batch"):
+        chunk = prompts[i : i + gb]
+        pad = {"seqs": gb} if len(chunk) < gb and n > gb else None  # one compiled batch size
+        for p, out in zip(chunk, ji.generate(cfg, params, chunk, sp, pad_to=pad)):
+            if out.finish_reason != "length":
+                raise RuntimeError(f"continuation of prompt at {len(rows)} ended: {out.error}")
+            rows.append(p + out.token_ids)
+    return np.asarray(rows, np.int32).reshape(n, tc.seq_len)
 
 
 def teacher_features(tc: DrafterTrainConfig, cfg, params, tokenizer, path: str) -> dict:
     """{"tokens" [N, S] int32, "hidden" [N, S, E] f16, "top_ids" [N, S, k] int32,
-    "top_probs" [N, S, k] f16}, read from the cache or computed (and cached) now."""
+    "top_probs" [N, S, k] f16}, read from the cache or computed (and cached) now. N counts the
+    corpus windows, then the `generated_windows`."""
     root = Path(tc.features_dir or os.path.join(tc.workdir, "features"))
     folder = root / _feature_key(tc, path)
     if all((folder / f"{n}.npy").is_file() for n in FEATURE_FILES):
@@ -136,6 +176,10 @@ def teacher_features(tc: DrafterTrainConfig, cfg, params, tokenizer, path: str) 
     if n_win < tc.batch_size:
         raise ValueError(f"split {tc.split!r} gives {n_win} windows of {tc.seq_len} tokens")
     windows = stream[: n_win * tc.seq_len].reshape(n_win, tc.seq_len).astype(np.int32)
+    if tc.generated_windows:
+        gen = generated_windows(tc, cfg, params, stream, n_win * tc.seq_len)
+        windows = np.concatenate([windows, gen])
+        n_win = windows.shape[0]
 
     @jax.jit
     def teach(tokens):  # [b, S] -> hidden [b, S, E], top-k ids and probs [b, S, k]
@@ -359,6 +403,7 @@ def run(tc: DrafterTrainConfig, progress: bool = True) -> dict:
             heads.save_head(os.path.join(tc.workdir, "head"), heads.Head(hcfg, hp))
     results = {
         "kind": tc.kind, "steps_done": end, "finished": done, "windows": int(n_win),
+        "generated_windows": tc.generated_windows,
         "tokens": int(n_win * tc.seq_len), "final_loss": curve[-1]["loss"] if curve else None,
         "train_s_this_call": time.perf_counter() - t0, "load_average": common.load_average(),
     }  # fmt: skip
@@ -408,7 +453,7 @@ def ship(workdir: str, dest: str) -> str:
 _DEFAULTS = DrafterTrainConfig()
 _POSITIVE = ("num_tokens", "seq_len", "feature_batch", "topk", "steps", "batch_size",
              "checkpoint_every", "num_medusa_heads", "unroll", "draft_hidden",
-             "draft_layers")  # fmt: skip
+             "draft_layers", "prompt_len", "generate_batch")  # fmt: skip
 _FLAGS: dict = {}
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import jaxinfer as ji
 from experiments import train_drafter as td
 from jaxinfer.speculative import heads
 
@@ -105,3 +106,41 @@ def test_bad_config_is_refused(tmp_path):
         td.run(dataclasses.replace(_tiny(tmp_path, "medusa", "x"), kind="tree"))
     with pytest.raises(ValueError, match="num_tokens=64"):
         td.run(dataclasses.replace(_tiny(tmp_path, "medusa", "x"), num_tokens=64))
+
+
+def test_generated_windows_are_the_targets_greedy_continuations(tmp_path):
+    """Self-distillation windows: a split prompt, then exactly what plain greedy decoding of the
+    target gives for it; the corpus windows come first, unchanged, and the cache key differs."""
+    base = _tiny(tmp_path, "eagle", "g0")
+    tc = dataclasses.replace(base, workdir=str(tmp_path / "g1"), generated_windows=3,
+                             prompt_len=8, generate_batch=2)  # fmt: skip
+    cfg, params, path = td.common.load_model("target")
+    tokenizer = ji.load_tokenizer(path)
+    plain = td.teacher_features(base, cfg, params, tokenizer, path)
+    feats = td.teacher_features(tc, cfg, params, tokenizer, path)
+    assert td._feature_key(tc, path) != td._feature_key(base, path)
+    n = plain["tokens"].shape[0]
+    assert feats["tokens"].shape == (n + 3, tc.seq_len)
+    assert np.array_equal(feats["tokens"][:n], plain["tokens"])
+    assert np.array_equal(feats["top_ids"][:n], plain["top_ids"])
+    gen = np.asarray(feats["tokens"][n:])
+    prompts = [row[: tc.prompt_len].tolist() for row in gen]
+    assert len({tuple(p) for p in prompts}) == 3  # distinct prompts, from the split
+    stream = td.common.split_stream(tokenizer, cfg, tc.split)
+    assert all(
+        any(np.array_equal(stream[a : a + 8], p) for a in range(n * tc.seq_len, stream.shape[0]))
+        for p in prompts
+    )
+    sp = ji.SamplingParams(temperature=0.0, max_tokens=tc.seq_len - 8, ignore_eos=True)
+    for row, p in zip(gen, prompts):
+        (out,) = ji.generate(cfg, params, [p], sp)
+        assert row[8:].tolist() == out.token_ids
+        # The teacher's labels on the generated part are the target's: its argmax is the next
+        # generated token (greedy), wherever the top-1 is not a near-tie in float16.
+    top = np.asarray(feats["top_ids"][n:, 8 - 1 : -1, 0])
+    agree = (top == gen[:, 8:]).mean()
+    assert agree > 0.97, agree
+    with pytest.raises(ValueError, match="prompt_len=32"):
+        td.run(dataclasses.replace(tc, prompt_len=32))
+    with pytest.raises(ValueError, match="generated_windows=-1"):
+        td.run(dataclasses.replace(tc, generated_windows=-1))
