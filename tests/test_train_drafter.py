@@ -135,8 +135,8 @@ def test_generated_windows_are_the_targets_greedy_continuations(tmp_path):
     for row, p in zip(gen, prompts):
         (out,) = ji.generate(cfg, params, [p], sp)
         assert row[8:].tolist() == out.token_ids
-        # The teacher's labels on the generated part are the target's: its argmax is the next
-        # generated token (greedy), wherever the top-1 is not a near-tie in float16.
+    # The teacher's labels on the generated part are the target's: its argmax is the next
+    # generated token (greedy), wherever the top-1 is not a near-tie in float16.
     top = np.asarray(feats["top_ids"][n:, 8 - 1 : -1, 0])
     agree = (top == gen[:, 8:]).mean()
     assert agree > 0.97, agree
