@@ -79,7 +79,7 @@ class DrafterTrainConfig:
     # prompt_len split tokens followed by the target's own greedy continuation.
     generated_windows: int = 0
     prompt_len: int = 64
-    generate_batch: int = 64  # prompts per ji.generate call (not in the cache key)
+    generate_batch: int = 64  # prompts per ji.generate call (not in the cache key: keep it)
     feature_batch: int = 16  # windows per compiled teacher forward
     topk: int = 16  # teacher soft-label entries kept per position
     steps: int = 300

@@ -144,3 +144,5 @@ def test_generated_windows_are_the_targets_greedy_continuations(tmp_path):
         td.run(dataclasses.replace(tc, prompt_len=32))
     with pytest.raises(ValueError, match="generated_windows=-1"):
         td.run(dataclasses.replace(tc, generated_windows=-1))
+    with pytest.raises(ValueError, match="generated_windows=10000000: the split has"):
+        td.run(dataclasses.replace(tc, generated_windows=10**7))  # refused before generating
