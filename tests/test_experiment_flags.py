@@ -101,6 +101,13 @@ CASES = {
         (["--prompt=-1"], "not a non-negative integer"),
         (["--reps=0"], "not a positive integer"),
     ],
+    "int4_forms": [
+        ([], None),
+        (["--rows=1,16", "--forms=blocked", "--forms=int8_dot"], None),
+        (["--forms=int3"], "should be one of"),
+        (["--rows=0"], "0 is not an integer >= 1"),
+        (["--reps=0"], "not a positive integer"),
+    ],
     "pipeline": [
         ([], None),
         (["--model=target", "--full"], None),
