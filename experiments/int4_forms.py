@@ -50,13 +50,23 @@ FORMS = ("float32", "blocked", "factored", "nibbles_i8", "int8_codes", "int8_dot
 BOUNDS = ("int8_codes", "int8_dot")  # timed, not products of the weights
 PROJ = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and results.json go.")
-_CONFIG = common.config_flag()
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "A GGUF model name or path (Q4_0/Q4_1).")
-_ROWS = flags.DEFINE_list("rows", ["1", "5"], "Rows T of the products.")
-_FORMS = flags.DEFINE_multi_enum("forms", list(FORMS), FORMS, "Forms to time (float32 first).")
-_REPS = flags.DEFINE_integer("reps", 15, "Timed calls per form and T (median).", lower_bound=1)
-flag_checks.int_list(_ROWS, min_value=1)
+_FLAGS: dict[str, flags.FlagHolder] = {}
+
+
+def define_flags() -> None:
+    """The script's flags, defined when it runs: the tests import this module for its forms,
+    beside other experiments whose flags (--workdir, --rows, ...) share absl's registry."""
+    _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Where config.json and results go.")
+    _FLAGS["config"] = common.config_flag()
+    _FLAGS["model"] = flags.DEFINE_string(
+        "model", "smollm2-135m", "A GGUF model name or path (Q4_0 / Q4_1 layers)."
+    )
+    _FLAGS["rows"] = flags.DEFINE_list("rows", ["1", "5"], "Rows T of the products.")
+    _FLAGS["forms"] = flags.DEFINE_multi_enum("forms", list(FORMS), FORMS, "Forms (float32 first).")
+    _FLAGS["reps"] = flags.DEFINE_integer(
+        "reps", 15, "Timed calls per form and T (median).", lower_bound=1
+    )
+    flag_checks.int_list(_FLAGS["rows"], min_value=1)
 
 
 # ---------------------------------------------------------------------------- the forms' weights
@@ -204,11 +214,11 @@ def time_forms(forms: dict, rows: int, reps: int) -> dict:
 
 def main(argv):
     del argv
-    common.apply_config(_CONFIG.value)
-    path = common.resolve_model(_MODEL.value)
-    if _WORKDIR.value:
-        common.save_config(_WORKDIR.value, resolved={"model": path})
-    forms = list(dict.fromkeys(["float32", *_FORMS.value]))
+    common.apply_config(_FLAGS["config"].value)
+    path = common.resolve_model(_FLAGS["model"].value)
+    if _FLAGS["workdir"].value:
+        common.save_config(_FLAGS["workdir"].value, resolved={"model": path})
+    forms = list(dict.fromkeys(["float32", *_FLAGS["forms"].value]))
     cfg, params = ji.load_checkpoint(path, keep_quantized=True)
     stacked = {k: params["layers"][k] for k in PROJ}  # [L, ...] leaves
     quantized = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.num_layers)]
@@ -218,15 +228,15 @@ def main(argv):
     del params
     laid = {f: [{k: form_weights(f, w) for k, w in lp.items()} for lp in quantized] for f in forms}
     errors = {
-        f: max(check(f, quantized[0], laid[f][0], int(t)) for t in _ROWS.value)
+        f: max(check(f, quantized[0], laid[f][0], int(t)) for t in _FLAGS["rows"].value)
         for f in forms
         if f not in BOUNDS
     }
     print(json.dumps({"relative_error": errors}), flush=True)
     load0 = common.load_average()
     cells = []
-    for t in (int(t) for t in _ROWS.value):
-        ms = time_forms(laid, t, _REPS.value)
+    for t in (int(t) for t in _FLAGS["rows"].value):
+        ms = time_forms(laid, t, _FLAGS["reps"].value)
         cells.append({"rows": t, "ms": ms, "ratio": {f: ms[f] / ms["float32"] for f in ms}})
         print(json.dumps(cells[-1]), flush=True)
     res = {
@@ -234,9 +244,9 @@ def main(argv):
         "cpus": os.cpu_count(), "load_average": [load0, common.load_average()],
         "relative_error": errors, "cells": cells,
     }  # fmt: skip
-    if _WORKDIR.value:
-        common.write_results(_WORKDIR.value, res)
-    print(f"\n{_MODEL.value}: load average {load0} -> {common.load_average()}\n")
+    if _FLAGS["workdir"].value:
+        common.write_results(_FLAGS["workdir"].value, res)
+    print(f"\n{_FLAGS['model'].value}: load average {load0} -> {common.load_average()}\n")
     print("| T | " + " | ".join(forms) + " |")
     print("|---|" + "---|" * len(forms))
     for c in cells:
@@ -245,4 +255,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
