@@ -15,6 +15,12 @@ same weights, the forms alternating call by call (median of --reps calls). The f
               sums: y = sum_g s_g * (x_g . q_g) + m_g * sum(x_g); no per-weight multiply
   nibbles_i8  two codes per int8 byte (rows r and r + in/2), unpacked by arithmetic shifts of
               the byte, each half scaled and multiplied: the cheapest unpack XLA offers
+  nt_rows     the NT layout `[out, in]` (the float32 form's), eight output rows' codes packed in
+              each u32 word: an in-contiguous run of words unpacks with one shift per row, so
+              the unpack vectorizes along `in` as the blocked form's does along `out`; each
+              block of `[ob, in]` is unpacked, scaled and dotted NT as float32 is at one row
+  bytes_nt    the NT layout with one signed code per int8 byte (q - 8): the same product
+              without the unpack; a byte a weight, twice the packed forms' half byte
   int8_codes  a bound, not a product: one int8 code per weight, converted and multiplied with
               no unpack and no scales (one byte a weight, what any convert-and-dot form costs
               at least)
@@ -46,7 +52,9 @@ from jaxinfer import qtensor, transposed
 from jaxinfer.ops.linear import linear
 from pallas_kernels.int4_matmul.reference import unpack_int4
 
-FORMS = ("float32", "blocked", "factored", "nibbles_i8", "int8_codes", "int8_dot")
+FORMS = (
+    "float32", "blocked", "factored", "nibbles_i8", "nt_rows", "bytes_nt", "int8_codes", "int8_dot"
+)  # fmt: skip
 BOUNDS = ("int8_codes", "int8_dot")  # timed, not products of the weights
 PROJ = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -62,11 +70,12 @@ def define_flags() -> None:
         "model", "smollm2-135m", "A GGUF model name or path (Q4_0 / Q4_1 layers)."
     )
     _FLAGS["rows"] = flags.DEFINE_list("rows", ["1", "5"], "Rows T of the products.")
-    _FLAGS["forms"] = flags.DEFINE_multi_enum("forms", list(FORMS), FORMS, "Forms (float32 first).")
+    _FLAGS["forms"] = flags.DEFINE_list("forms", list(FORMS), "Forms (float32 is always timed).")
     _FLAGS["reps"] = flags.DEFINE_integer(
         "reps", 15, "Timed calls per form and T (median).", lower_bound=1
     )
     flag_checks.int_list(_FLAGS["rows"], min_value=1)
+    flag_checks.choice_list(_FLAGS["forms"], FORMS)
 
 
 # ---------------------------------------------------------------------------- the forms' weights
@@ -99,6 +108,8 @@ def form_weights(form: str, w: qtensor.Int4Weight):
     if form in ("blocked", "factored"):
         return qtensor.column_blocks(w, ob)
     q = _codes(w)
+    if form in ("nt_rows", "bytes_nt"):
+        return _nt_weights(form, q, *_offsets(w), ob)
     if form in BOUNDS:
         return _cut(q.astype(np.int8), ob)  # [nb, in, ob]
     s, m = _offsets(w)  # nibbles_i8: signed codes q - 8, so w = s * (q - 8) + (m + 8 s)
@@ -106,6 +117,24 @@ def form_weights(form: str, w: qtensor.Int4Weight):
     hi, lo = q[:half] - 8, q[half:] - 8
     packed = ((hi << 4) | (lo & 15)).astype(np.int8)  # [in/2, out]
     return (_cut(packed, ob), _cut(s, ob), _cut(m + 8 * s, ob))
+
+
+def _nt_weights(form: str, q: np.ndarray, s: np.ndarray, m: np.ndarray, ob: int):
+    """The NT forms' blocks: codes `[nb, ob / 8, in]` u32 words (nt_rows: word (j, k) holds rows
+    8j .. 8j + 7 of column k at bits 4r) or `[nb, ob, in]` int8 (bytes_nt: q - 8); scales and
+    offsets `[nb, ob, in / G]` with w = s * code + m."""
+    qt = q.T  # [out, in]
+    if form == "nt_rows":
+        rows = qt.astype(np.uint32).reshape(qt.shape[0] // 8, 8, qt.shape[1])  # [out/8, 8, in]
+        codes = np.bitwise_or.reduce(rows << (4 * np.arange(8, dtype=np.uint32))[:, None], axis=1)
+        per_block = ob // 8
+    else:
+        codes, m, per_block = (qt - 8).astype(np.int8), m + 8 * s, ob
+
+    def cut(a, r):  # [rows, ...] -> [nb, r, ...]
+        return jnp.asarray(np.ascontiguousarray(a.reshape(-1, r, *a.shape[1:])))
+
+    return (cut(codes, per_block), cut(s.T, ob), cut(m.T, ob))
 
 
 # ---------------------------------------------------------------------------- the forms' products
@@ -141,6 +170,22 @@ def _nibbles(x2: jax.Array, w) -> jax.Array:
     return transposed.scan_blocks(block, (packed, s, m))
 
 
+def _nt(x2: jax.Array, w) -> jax.Array:
+    codes, s, m = w
+    nt = (((1,), (1,)), ((), ()))  # contract both `in` axes, as float32's one-row product
+
+    def block(b):
+        cb, sb, mb = b  # [ob / 8, in] u32 or [ob, in] int8; [ob, in / G] twice
+        if cb.dtype == jnp.uint32:
+            shifts = 4 * jnp.arange(8, dtype=jnp.uint32)
+            cb = ((cb[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, cb.shape[-1])
+        ob, ng = sb.shape
+        wf = cb.astype(jnp.float32).reshape(ob, ng, -1) * sb[..., None] + mb[..., None]
+        return jax.lax.dot_general(x2, wf.reshape(ob, -1), nt)  # [M, ob]
+
+    return transposed.scan_blocks(block, w)
+
+
 def _int8_codes(x2: jax.Array, w: jax.Array) -> jax.Array:
     return transposed.scan_blocks(lambda b: jnp.dot(x2, b.astype(jnp.float32)), w)
 
@@ -159,7 +204,8 @@ def product(form: str, x: jax.Array, w) -> jax.Array:
     """`x [M, in] @ w` in `form` -> `[M, out]` float32."""
     if form in ("float32", "blocked"):
         return linear(x, w).astype(jnp.float32)
-    return {"factored": _factored, "nibbles_i8": _nibbles, "int8_codes": _int8_codes,
+    return {"factored": _factored, "nibbles_i8": _nibbles, "nt_rows": _nt, "bytes_nt": _nt,
+            "int8_codes": _int8_codes,
             "int8_dot": _int8_dot}[form](x, w)  # fmt: skip
 
 

@@ -103,8 +103,8 @@ CASES = {
     ],
     "int4_forms": [
         ([], None),
-        (["--rows=1,16", "--forms=blocked", "--forms=int8_dot"], None),
-        (["--forms=int3"], "should be one of"),
+        (["--rows=1,16", "--forms=blocked,int8_dot"], None),
+        (["--forms=blocked,int3"], "'int3' is not one of float32, blocked"),
         (["--rows=0"], "0 is not an integer >= 1"),
         (["--reps=0"], "not a positive integer"),
     ],

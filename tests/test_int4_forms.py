@@ -22,7 +22,9 @@ def _weight(d_in: int, d_out: int, mins: bool, seed: int = 0) -> qtensor.Int4Wei
 
 
 @pytest.mark.parametrize("mins", [True, False], ids=["q4_1", "zero_points"])
-@pytest.mark.parametrize("form", ["float32", "blocked", "factored", "nibbles_i8"])
+@pytest.mark.parametrize(
+    "form", ["float32", "blocked", "factored", "nibbles_i8", "nt_rows", "bytes_nt"]
+)
 def test_form_equals_the_dequantized_product(form, mins):
     w = _weight(128, 192, mins)
     x = jax.random.normal(jax.random.key(1), (3, 128), jnp.float32)
