@@ -52,7 +52,9 @@ from jaxinfer.memory import tree_bytes
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/serve_bench", "Output directory.")
 _CONFIG = common.config_flag()
-_MODEL = flags.DEFINE_string("model", None, "HF dir; default: the shipped target model.")
+_MODEL = flags.DEFINE_string(
+    "model", None, "A ji.models name or a checkpoint path; default: the shipped target model."
+)
 _QUICK = flags.DEFINE_boolean("quick", False, "A ~1 minute run: short requests, few of them.")
 _WORKLOADS = flags.DEFINE_list(
     "workloads", ["sharegpt", "shared_prefix", "long_prompt"], "Workloads to run."
@@ -272,6 +274,7 @@ def load_model(path: str | None, keep_quantized: bool = False):
     if path is None and "target" in ji.models.names():
         path = ji.models.path("target")
     if path is not None:
+        path = common.resolve_model(path)
         cfg, params = ji.load_checkpoint(path, keep_quantized=keep_quantized)
         return cfg, params, path
     msg = "no shipped target model: benchmarking a RANDOMLY INITIALISED bench-5m preset"

@@ -207,3 +207,15 @@ def test_quick_defaults_resolve_the_same_on_a_rerun(script, first, tmp_path):
     quick = {"spec_bench": ("batch_sizes", [1]), "serve_bench": ("rate_fractions", [0.5, 2.0])}
     quick = quick[script]
     assert before[quick[0]] == quick[1]  # a --quick value of a flag not given
+
+
+@needs_target
+def test_serve_bench_takes_a_model_name():
+    """--model of serve_bench (and bench_serve, which calls the same) is a name or a path."""
+    from experiments import serve_bench as sb
+
+    cfg, _, path = sb.load_model("target")
+    assert path == ji.models.path("target") and cfg == ji.load_checkpoint(path)[0]
+    assert sb.load_model(path)[2] == path
+    with pytest.raises(ValueError, match="--model='no-such-model' is neither"):
+        sb.load_model("no-such-model")

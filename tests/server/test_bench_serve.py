@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -48,3 +51,32 @@ def test_soak_and_sweep_attached(server, tmp_path):
         min(ttft),
         max(ttft),
     )
+
+
+def _side(ttft, n):
+    """One path's result of a run of n requests whose completed TTFTs are `ttft` (seconds)."""
+    return {"summary": {"num_requests": n, "goodput": 1.0, "ttft": {"p50": float(np.median(ttft))},
+                        "tpot": {"p50": 0.05}}, "ttft": list(ttft)}  # fmt: skip
+
+
+def test_paired_pools_and_pairs_the_ttfts():
+    from experiments import bench_serve
+
+    pairs = [
+        {"http": _side([0.10, 0.20, 0.40], 3), "in_process": _side([0.10, 0.15, 0.30], 3)},
+        {"http": _side([0.30, 0.50, 0.60], 3), "in_process": _side([0.20, 0.50, 0.70], 3)},
+    ]
+    out = bench_serve.paired(pairs)
+    # pooled p50s: median(.1 .2 .4 .3 .5 .6) = .35, median(.1 .15 .3 .2 .5 .7) = .25
+    assert out["ttft_p50_pooled_diff_ms"] == pytest.approx(100.0)
+    per = [0, 50, 100, 100, 0, -100]  # ms, request by request
+    assert out["ttft_per_request_diff_ms"] == pytest.approx(
+        {"median": float(np.median(per)), "mean": float(np.mean(per))}
+    )
+    assert out["ttft_p50_diff_ms"]["median"] == pytest.approx(np.median([50.0, 0.0]))
+    # a request that failed over HTTP: that pair's TTFTs no longer line up request by request
+    pairs[1]["http"] = _side([0.30, 0.50], 3)
+    per = bench_serve.paired(pairs)["ttft_per_request_diff_ms"]
+    assert per == pytest.approx({"median": 50.0, "mean": 50.0})
+    pairs[0]["http"] = _side([0.10, 0.20], 3)
+    assert bench_serve.paired(pairs)["ttft_per_request_diff_ms"] is None
