@@ -211,11 +211,26 @@ def test_quick_defaults_resolve_the_same_on_a_rerun(script, first, tmp_path):
 
 @needs_target
 def test_serve_bench_takes_a_model_name():
-    """--model of serve_bench (and bench_serve, which calls the same) is a name or a path."""
-    from experiments import serve_bench as sb
-
-    cfg, _, path = sb.load_model("target")
-    assert path == ji.models.path("target") and cfg == ji.load_checkpoint(path)[0]
-    assert sb.load_model(path)[2] == path
-    with pytest.raises(ValueError, match="--model='no-such-model' is neither"):
-        sb.load_model("no-such-model")
+    """--model of serve_bench (and bench_serve, which calls the same) is a name or a path. In a
+    subprocess: importing serve_bench defines its absl flags, as other experiments' do here."""
+    code = """
+import json, sys
+import jaxinfer as ji
+from experiments import serve_bench as sb
+cfg, _, path = sb.load_model("target")
+same = cfg == ji.load_checkpoint(ji.models.path("target"))[0]
+try:
+    sb.load_model("no-such-model")
+    err = None
+except ValueError as e:
+    err = str(e)
+print("RESULT" + json.dumps([path, same, sb.load_model(path)[2], err]))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    path, same, again, err = json.loads(lines[-1][len("RESULT") :])
+    assert path == ji.models.path("target") and same and again == path
+    assert err is not None and "--model='no-such-model' is neither" in err

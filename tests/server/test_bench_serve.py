@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import pairing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -60,13 +62,11 @@ def _side(ttft, n):
 
 
 def test_paired_pools_and_pairs_the_ttfts():
-    from experiments import bench_serve
-
     pairs = [
         {"http": _side([0.10, 0.20, 0.40], 3), "in_process": _side([0.10, 0.15, 0.30], 3)},
         {"http": _side([0.30, 0.50, 0.60], 3), "in_process": _side([0.20, 0.50, 0.70], 3)},
     ]
-    out = bench_serve.paired(pairs)
+    out = pairing.paired(pairs)
     # pooled p50s: median(.1 .2 .4 .3 .5 .6) = .35, median(.1 .15 .3 .2 .5 .7) = .25
     assert out["ttft_p50_pooled_diff_ms"] == pytest.approx(100.0)
     per = [0, 50, 100, 100, 0, -100]  # ms, request by request
@@ -76,7 +76,7 @@ def test_paired_pools_and_pairs_the_ttfts():
     assert out["ttft_p50_diff_ms"]["median"] == pytest.approx(np.median([50.0, 0.0]))
     # a request that failed over HTTP: that pair's TTFTs no longer line up request by request
     pairs[1]["http"] = _side([0.30, 0.50], 3)
-    per = bench_serve.paired(pairs)["ttft_per_request_diff_ms"]
+    per = pairing.paired(pairs)["ttft_per_request_diff_ms"]
     assert per == pytest.approx({"median": 50.0, "mean": 50.0})
     pairs[0]["http"] = _side([0.10, 0.20], 3)
-    assert bench_serve.paired(pairs)["ttft_per_request_diff_ms"] is None
+    assert pairing.paired(pairs)["ttft_per_request_diff_ms"] is None
