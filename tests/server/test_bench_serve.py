@@ -80,3 +80,6 @@ def test_paired_pools_and_pairs_the_ttfts():
     assert per == pytest.approx({"median": 50.0, "mean": 50.0})
     pairs[0]["http"] = _side([0.10, 0.20], 3)
     assert pairing.paired(pairs)["ttft_per_request_diff_ms"] is None
+    # one request lost on each side: as many TTFTs on both, but not the same requests
+    both_short = [{"http": _side([0.10, 0.20], 3), "in_process": _side([0.10, 0.30], 3)}]
+    assert pairing.paired(both_short)["ttft_per_request_diff_ms"] is None
