@@ -7,6 +7,8 @@ prediction.
         --drafts=distilled=/tmp/drafters/draft/draft --workdir=/tmp/drafters/bench
     python -m experiments.drafter_bench --heads=eagle=smollm2-135m-eagle --keep_quantized \
         --temperatures=0 --batch_sizes=1 --workdir=/tmp/drafters/bench_gguf   # Q4_1 as stored
+    python -m experiments.drafter_bench --heads=eagle=smollm2-135m-eagle --ngram_first=2 \
+        --keep_quantized --temperatures=0 --batch_sizes=1 --workdir=/tmp/drafters/hybrid
 
 Two prompt sets: `test`, the first --prompt_len tokens of distinct windows of the held-out test
 split, and `chat`, one-turn user questions (`common.CHAT_PROMPTS`) through the target's chat
@@ -32,6 +34,7 @@ Writes --workdir/results.json and prints markdown tables.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -40,7 +43,7 @@ import numpy as np
 from absl import app, flags
 
 import jaxinfer as ji
-from experiments import common
+from experiments import common, flag_checks
 from jaxinfer.speculative import heads
 from jaxinfer.speculative.autotune import summarize_log
 from jaxinfer.speculative.cycle_log import generate_with_log
@@ -54,6 +57,12 @@ _DRAFTS = flags.DEFINE_list(
     "distilled draft of `train_drafter --kind=draft`."
 )  # fmt: skip
 _NGRAM = flags.DEFINE_boolean("ngram", True, "Include the n-gram drafter.")
+_NGRAM_FIRST = flags.DEFINE_list(
+    "ngram_first",
+    [],
+    "For each N and each --heads entry NAME, also the hybrid NAME+ngramN "
+    "(`Head.ngram_first=N`: the n-gram's proposal where N+ tokens of suffix recur).",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")
 _NUM_PROMPTS = flags.DEFINE_integer(
     "num_prompts", 16, "Test-split prompts (exactness, α, timing).", lower_bound=1
@@ -75,6 +84,7 @@ _KEEP_QUANTIZED = flags.DEFINE_boolean(
     "(`ji.load_checkpoint(keep_quantized=True)`); plain decoding reads the same weights.",
 )  # fmt: skip
 _CONFIG = common.config_flag()
+flag_checks.int_list(_NGRAM_FIRST, min_value=1, allow_empty=True)
 
 
 def alpha_tau(outs, gamma: int) -> dict:
@@ -140,6 +150,10 @@ def main(argv):
         sets["chat"] = [ids for _, ids in common.chat_prompts(tok, qs)]
     drafters = {"ngram": "ngram"} if _NGRAM.value else {}
     drafters.update(_load_drafter(item, cfg, "heads") for item in _HEADS.value)
+    loaded = [name for name, d in drafters.items() if isinstance(d, heads.Head)]
+    for first in (int(x) for x in _NGRAM_FIRST.value):
+        drafters.update({f"{name}+ngram{first}": dataclasses.replace(drafters[name],
+                         ngram_first=first) for name in loaded})  # fmt: skip
     drafters.update(_load_drafter(item, cfg, "drafts") for item in _DRAFTS.value)
     g, n_tok = _GAMMA.value, _MAX_TOKENS.value
     names = ["plain", *drafters]

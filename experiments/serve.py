@@ -7,6 +7,8 @@ r"""Serves a model over the OpenAI HTTP API (jaxinfer.server) until SIGTERM or C
         --num_speculative_tokens=auto --max_gamma=4 --cycle_log=cycles.jsonl
     python -m experiments.serve --model=smollm2-135m --speculative=head \
         --draft_head=smollm2-135m-eagle --num_speculative_tokens=3
+    python -m experiments.serve --model=smollm2-135m --speculative=head \
+        --draft_head=smollm2-135m-eagle --ngram_first=2 --num_speculative_tokens=auto
 
 --model is a shipped model name (jaxinfer.models.names()) or an HF checkpoint directory.
 --port=0 picks a free port. Once the server accepts connections it prints one line
@@ -15,7 +17,8 @@ in-flight requests --shutdown_timeout seconds, aborts the rest, and exits 0.
 
 --speculative=ngram (prompt lookup), =model (with --draft_model) or =head (a learned Medusa or
 EAGLE-style head trained for the model, with --draft_head: a shipped head's name, e.g.
-smollm2-135m-eagle, or a head folder) serves with speculative decoding
+smollm2-135m-eagle, or a head folder; --ngram_first=2 makes it the hybrid that takes the
+n-gram's proposal where two or more tokens of suffix recur) serves with speculative decoding
 (`ji.SpeculativeConfig`): γ = --num_speculative_tokens drafted tokens per request and step,
 or `auto` (the engine's controller picks γ in 0..--max_gamma every step; --warmup then also
 measures its step-time table). /metrics then has the acceptance counters (drafts, draft and
@@ -27,6 +30,7 @@ Requests with logprobs get a 400 while speculation is on (the engine does not re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -87,6 +91,11 @@ _DRAFT_MODEL = flags.DEFINE_string(
 _DRAFT_HEAD = flags.DEFINE_string(
     "draft_head", None, "--speculative=head: a shipped head's name or a head folder."
 )
+_NGRAM_FIRST = flags.DEFINE_integer(
+    "ngram_first", 0, "--speculative=head: rows whose last N+ tokens recur take the n-gram's "
+    "proposal (the hybrid drafter, `Head.ngram_first`); 0: the head drafts every row.",
+    lower_bound=0, upper_bound=3,
+)  # fmt: skip
 _NUM_SPEC = flags.DEFINE_string(
     "num_speculative_tokens", "3", "γ: an int in 0..max_gamma, or 'auto' (the controller)."
 )
@@ -164,6 +173,11 @@ flags.register_multi_flags_validator(
 )  # fmt: skip
 
 flags.register_multi_flags_validator(
+    ["speculative", "ngram_first"],
+    lambda f: f["ngram_first"] == 0 or f["speculative"] == "head",
+    "--ngram_first goes with --speculative=head (the hybrid of a head and the n-gram)",
+)  # fmt: skip
+flags.register_multi_flags_validator(
     ["num_speculative_tokens", "max_gamma"],
     lambda f: f["max_gamma"] is None
     or not _num_spec_is_valid(f["num_speculative_tokens"])
@@ -181,15 +195,18 @@ def speculative_config(
     draft_model: str | None = None,
     draft_head: str | None = None,
     target: ji.ModelConfig | None = None,
+    ngram_first: int = 0,
 ) -> ji.SpeculativeConfig | None:
     """The flags' SpeculativeConfig; None for drafter "none". A head is checked against
-    `target` when given (ValueError naming the field of another target)."""
+    `target` when given (ValueError naming the field of another target); `ngram_first` makes it
+    the hybrid drafter."""
     if drafter == "none":
         return None
     if drafter == "model":
         drafter = ji.load_checkpoint(model_path(draft_model))
     elif drafter == "head":
-        drafter = ji.speculative.heads.load_head(model_path(draft_head), target)
+        head = ji.speculative.heads.load_head(model_path(draft_head), target)
+        drafter = dataclasses.replace(head, ngram_first=ngram_first)
     n = num_speculative_tokens
     return ji.SpeculativeConfig(
         drafter=drafter, num_speculative_tokens=n if n == "auto" else int(n),
@@ -263,7 +280,7 @@ def main(argv):
     tok = ji.load_tokenizer(path)
     spec = speculative_config(
         _SPECULATIVE.value, _NUM_SPEC.value, _MAX_GAMMA.value, _ACCEPTANCE.value,
-        _DRAFT_MODEL.value, _DRAFT_HEAD.value, cfg,
+        _DRAFT_MODEL.value, _DRAFT_HEAD.value, cfg, _NGRAM_FIRST.value,
     )  # fmt: skip
     ecfg = engine_config(
         cfg, _BLOCK_SIZE.value, _NUM_BLOCKS.value, _MAX_NUM_SEQS.value, _MAX_BATCHED.value,

@@ -5,7 +5,8 @@ weight format: issue 16's low-load goal measured directly (one or two requests i
     python -m experiments.spec_lowload --formats=gguf-as-stored --workdir=runs/spec_lowload_gguf
 
 For each weight format (`float32`: SmolLM2 dequantized; `gguf-as-stored`: its Q4_1 / Q8_0
-tensors as stored, `keep_quantized=True`) and drafter (`ngram`, `head` = the shipped EAGLE head),
+tensors as stored, `keep_quantized=True`) and drafter (`ngram`, `head` = the shipped EAGLE head,
+`hybrid` = that head with `ngram_first=--ngram_first`),
 engines with speculation off and with γ = auto serve the same greedy requests: `EngineConfig()`
 as a server builds it but for a --num_blocks pool, and the auto engine's controller calibrated
 by `warm_up` first, as a server's is. The requests are --prompts windows of the test split
@@ -37,7 +38,15 @@ from jaxinfer.engine.workload import engine_compiles
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "A packaged GGUF model name or path.")
 _FORMATS = flags.DEFINE_list("formats", ["float32", "gguf-as-stored"], "Weight formats.")
 _DRAFTERS = flags.DEFINE_list("drafters", ["ngram", "head"], "Drafters of the auto engine.")
-_HEAD = flags.DEFINE_string("head", "smollm2-135m-eagle", "--drafters=head: the head's name.")
+_HEAD = flags.DEFINE_string(
+    "head", "smollm2-135m-eagle", "--drafters=head or hybrid: the head's name."
+)
+_NGRAM_FIRST = flags.DEFINE_integer(
+    "ngram_first",
+    2,
+    "--drafters=hybrid: the head with `Head.ngram_first` set to this.",
+    lower_bound=1,
+)
 _IN_FLIGHT = flags.DEFINE_list("in_flight", ["1", "2"], "Requests served together.")
 _PROMPTS = flags.DEFINE_integer("prompts", 4, "Requests per group size.", lower_bound=1)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.", lower_bound=1)
@@ -52,7 +61,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_lowload", "Where results.js
 _CONFIG = common.config_flag()
 _ATTEMPTS = 4  # runs of one group until one compiles nothing (a γ choice can meet a new shape)
 flag_checks.choice_list(_FORMATS, ("float32", "gguf-as-stored"))
-flag_checks.choice_list(_DRAFTERS, ("ngram", "head"))
+flag_checks.choice_list(_DRAFTERS, ("ngram", "head", "hybrid"))
 flag_checks.int_list(_IN_FLIGHT, min_value=1)
 
 
@@ -92,8 +101,10 @@ def main(argv):
         engines[fmt, "off"] = ji.Engine(cfg, params, ecfg)
         for d in _DRAFTERS.value:
             drafter = "ngram"
-            if d == "head":
+            if d in ("head", "hybrid"):
                 drafter = ji.speculative.heads.load_head(common.resolve_model(_HEAD.value), cfg)
+            if d == "hybrid":
+                drafter = dataclasses.replace(drafter, ngram_first=_NGRAM_FIRST.value)
             spec = ji.SpeculativeConfig(
                 drafter=drafter, num_speculative_tokens="auto", max_gamma=_MAX_GAMMA.value
             )

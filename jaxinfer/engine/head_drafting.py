@@ -140,7 +140,7 @@ def _observe(
 
 
 def draft(engine, schedule, spec_idx: list[int], bd: int, gamma: int):
-    """The head's drafts for the step's drafting rows -> (tokens `[Bd, γ]` on the host, q)."""
+    """The head's drafts for the step's drafting rows -> (tokens `[Bd, γ]`, q), on the device."""
     cfg = engine.config
     S = cfg.block_size
     hcfg, rp = engine.draft_head
@@ -163,7 +163,7 @@ def draft(engine, schedule, spec_idx: list[int], bd: int, gamma: int):
         acceptance=engine.spec.acceptance,
     )  # fmt: skip
     engine.dcache = dataclasses.replace(pool, cache=cache)
-    return np.asarray(d), q
+    return d, q
 
 
 def observe(engine, meta: BatchMetadata, hidden: jax.Array) -> None:

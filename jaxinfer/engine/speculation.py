@@ -5,8 +5,9 @@ A step with speculation (`EngineConfig.speculative`):
 1. `Scheduler.schedule(lookahead=...)` gives each decoding request a γ (`num_lookahead`), 1 + γ
    tokens of the step's budget and KV slots for its γ draft positions (`reserve_lookahead`).
 2. **draft** (`_draft_model`, `_draft_ngram` or a head's `head_drafting._draft`, one jitted
-   call; heads: see `head_drafting.py`): the n-gram drafter matches the
-   request's history (`drafters.ngram_propose`); the model drafter runs one ragged forward that
+   call; heads: see `head_drafting.py`): the n-gram drafter matches the request's history
+   (`drafters.ngram_propose`; a head with `ngram_first` takes its proposal for the rows where
+   the suffix recurs, `drafters.prefer_ngram`); the model drafter runs one ragged forward that
    mirrors the step's prefill chunks and plain decodes into its own cache and, for each drafting
    request, feeds its last two committed tokens, then γmax − 1 one-token steps
    (`cache.metadata.decode_batch`, tokens chosen by the loop's `make_pick`). Only the `[B, γ]` draft
@@ -62,7 +63,7 @@ from jaxinfer.speculative.acceptance import (
     _noise,
     _rejection_sample_with_noise,
 )
-from jaxinfer.speculative.drafters import ngram_propose
+from jaxinfer.speculative.drafters import ngram_propose, prefer_ngram
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 
@@ -70,6 +71,12 @@ from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 def _draft_ngram(hist: jax.Array, cur: jax.Array, *, gamma: int, max_n: int) -> jax.Array:
     """`hist [Bd, C]`, `cur [Bd]` -> draft ids `[Bd, γ]` (q is their one-hot)."""
     return ngram_propose(hist, cur, gamma=gamma, max_n=max_n)
+
+
+@functools.partial(jax.jit, static_argnames=("max_n", "min_match"))
+def _prefer_ngram(d, q, hist, cur, *, max_n: int, min_match: int):
+    """`drafters.prefer_ngram` over a head's drafts `d [Bd, γ]`, `q [Bd, γ, V]`."""
+    return prefer_ngram(d, q, hist, cur, max_n=max_n, min_match=min_match)
 
 
 @functools.partial(
@@ -246,9 +253,21 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     dtok = np.zeros((bd, gstep), np.int32)
     sps_d = [engine._live[seqs[i].request_id].sampling for i in spec_idx]
     dm = engine.draft_model
+    ngram_rows = set()
     if engine.draft_head is not None:
         if spec_idx:
-            dtok, q = head_drafting.draft(engine, schedule, spec_idx, bd, gstep)
+            d, q = head_drafting.draft(engine, schedule, spec_idx, bd, gstep)
+            first = spec.draft_head.ngram_first
+            if first:  # the hybrid drafter: prompt lookup where the suffix recurs
+                cur = np.zeros(bd, np.int32)
+                cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
+                d, q, use = _prefer_ngram(
+                    d, q, history(engine, schedule, spec_idx, bd), cur, max_n=spec.ngram_max,
+                    min_match=first,
+                )  # fmt: skip
+                use = np.asarray(use)
+                ngram_rows = {seqs[i].seq_id for k, i in enumerate(spec_idx) if use[k]}
+            dtok = np.asarray(d)
     elif dm is not None:
         if spec_idx:
             cur = np.zeros(bd, np.int32)
@@ -347,6 +366,7 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
         else:
             out[sid] = (tokens[r, : n[r]].tolist(), int(pos[r, 0]))
         record["rows"][sid] = (int(gam[r]), draft[r, : gam[r]].tolist(), int(n[r]) - 1)
+    record["ngram_rows"] = ngram_rows  # seq ids that took the hybrid's n-gram proposal
     record["batch_size"] = len(seqs)
     record["num_tokens"] = schedule.num_batched_tokens
     return out, record

@@ -35,9 +35,10 @@ from jaxinfer.speculative.speedup import (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Generation loop (loop.py: the lax.while_loop; drafters.py: model and n-gram drafters).
+# Generation loop (loop.py: the lax.while_loop; drafters.py: model and n-gram drafters, and
+# the hybrid of a head with the n-gram).
 # ---------------------------------------------------------------------------------------------
-from jaxinfer.speculative.drafters import ngram_propose
+from jaxinfer.speculative.drafters import ngram_lookup, ngram_propose, prefer_ngram
 from jaxinfer.speculative.loop import ACCEPTANCE_MODES, SpeculativeOutput
 from jaxinfer.speculative.config import SpeculativeConfig
 from jaxinfer.speculative import heads  # learned drafters: Medusa, EAGLE-style (heads/)
@@ -88,7 +89,9 @@ __all__ = [
     "SpeculativeOutput",
     "generate",
     "heads",
+    "ngram_lookup",
     "ngram_propose",
+    "prefer_ngram",
     # cycle logs
     "CycleRecord",
     "GammaChoice",

@@ -33,7 +33,8 @@ class SpeculativeConfig:
       drafter: "ngram" (prompt lookup, no model), `(dcfg, dparams)`, a draft model sharing the
         target's vocabulary (its own paged KV cache on the target's block tables), or a
         `ji.speculative.heads.Head` trained for the target (Medusa, EAGLE-style: they read the
-        target's features, which the engine keeps by slot beside its KV cache).
+        target's features, which the engine keeps by slot beside its KV cache); a head with
+        `ngram_first` is the hybrid drafter (n-gram proposals where the suffix recurs).
       num_speculative_tokens: γ, drafted tokens per decoding request per step, in 0..max_gamma
         (0 is plain decoding); "auto": the controller picks γ every step for the batch.
       acceptance: "rejection" (exact in distribution) or "coupled" (token-identical to plain
@@ -41,7 +42,7 @@ class SpeculativeConfig:
         Temperature-0 rows are greedy in both.
       max_gamma: the largest γ; None: num_speculative_tokens if it is an int, else 4. Fixes the
         draft's compiled length, so one program serves every γ of a run.
-      ngram_max: the n-gram drafter's longest suffix match.
+      ngram_max: the n-gram drafter's longest suffix match (also the hybrid head's).
     """
 
     drafter: str | tuple = "ngram"
@@ -96,6 +97,11 @@ class SpeculativeConfig:
         object.__setattr__(
             self, "ngram_max", check_int("SpeculativeConfig.ngram_max", self.ngram_max, 1)
         )
+        if head is not None and head.ngram_first > self.ngram_max:
+            raise ValueError(
+                f"SpeculativeConfig.drafter: the head's ngram_first={head.ngram_first} exceeds "
+                f"ngram_max={self.ngram_max}"
+            )
 
     @property
     def auto(self) -> bool:

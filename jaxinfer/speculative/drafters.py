@@ -9,9 +9,13 @@ Two drafters, both pure functions of the committed sequence state:
   full accept (it has not seen the last drafted token nor the bonus token), so the first step feeds
   q_len = cur − dlen + 1 ∈ {1, 2} tokens. Rejected positions are never rolled back: the next cycle
   simply writes over them.
-* **n-gram** (`ngram_propose`, prompt lookup): no model. Match the last n committed tokens
+* **n-gram** (`ngram_lookup`, prompt lookup): no model. Match the last n committed tokens
   (n = max_n down to 1) against earlier context and propose the tokens that followed the most
   recent match; its q is one-hot.
+
+`prefer_ngram` combines the n-gram with a learned head (`heads/`): per row, the n-gram's
+proposal where the suffix recurs, the head's elsewhere (a `Head` with `ngram_first` set, in the
+loop and in the engine).
 
 Tokens are chosen by a `pick(logits [B, V], step) -> (tokens [B], q [B, V])` callback that the
 loop builds for the acceptance mode (greedy, rejection noise or the coupled Gumbel noise), so the
@@ -135,13 +139,13 @@ def draft_with_model(
     return dcache, tokens, q_all
 
 
-def ngram_propose(
+def ngram_lookup(
     hist: jax.Array,  # [B, C] int32
     cur: jax.Array,  # [B] int32
     *,
     gamma: int,
     max_n: int = 3,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """Prompt-lookup drafting: γ tokens that followed the latest earlier match of the suffix.
 
     For n = max_n down to 1, the last n committed tokens `hist[cur-n+1 .. cur]` are matched
@@ -157,12 +161,13 @@ def ngram_propose(
       max_n: longest suffix to match.
 
     Returns:
-      `[B, γ]` int32 proposals.
+      (`[B, γ]` int32 proposals, `[B]` int32 length n of the suffix matched, 0 for none).
     """
     b, c = hist.shape
     rows = jnp.arange(b)
     ends = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C] candidate match ends e
     best = jnp.full((b,), -1, jnp.int32)
+    length = jnp.zeros((b,), jnp.int32)
     for n in range(max_n, 0, -1):
         match = (ends >= n - 1) & (ends < cur[:, None]) & (cur[:, None] >= n - 1)  # [B, C]
         for k in range(n):
@@ -170,10 +175,52 @@ def ngram_propose(
             shifted = jnp.roll(hist, k, axis=1)  # shifted[:, e] = hist[:, e - k] for e >= k
             match &= shifted == tail[:, None]
         latest = jnp.max(jnp.where(match, ends, -1), axis=1)  # [B]
+        length = jnp.where((best < 0) & (latest >= 0), n, length)
         best = jnp.where(best < 0, latest, best)
     period = jnp.maximum(cur - best, 1)  # [B]
     j = jnp.arange(gamma, dtype=jnp.int32)[None, :]  # [1, γ]
     idx = best[:, None] + 1 + j % period[:, None]  # [B, γ] <= cur
     proposal = hist[rows[:, None], jnp.clip(idx, 0, c - 1)]
     last = hist[rows, cur][:, None]
-    return jnp.where(best[:, None] >= 0, proposal, last).astype(jnp.int32)
+    return jnp.where(best[:, None] >= 0, proposal, last).astype(jnp.int32), length
+
+
+def ngram_propose(
+    hist: jax.Array,  # [B, C] int32
+    cur: jax.Array,  # [B] int32
+    *,
+    gamma: int,
+    max_n: int = 3,
+) -> jax.Array:
+    """`ngram_lookup`'s `[B, γ]` proposals alone."""
+    return ngram_lookup(hist, cur, gamma=gamma, max_n=max_n)[0]
+
+
+def prefer_ngram(
+    tokens: jax.Array,  # [B, γ] int32 a learned drafter's proposals
+    q: jax.Array | None,  # [B, γ, V] float32 their draft distributions (None: not needed)
+    hist: jax.Array,  # [B, C] int32
+    cur: jax.Array,  # [B] int32
+    *,
+    max_n: int,
+    min_match: int,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """The hybrid drafter: rows whose last `min_match`+ tokens recur earlier take the n-gram
+    proposal (its q one-hot) instead of the drafter's; the rest keep the drafter's.
+
+    Text that repeats itself (code, lists, a model's own loops) is where prompt lookup is
+    accepted whole and a small drafter is not; elsewhere the learned drafter wins (suffix
+    decoding's hybrid with a learned speculator, Arctic Inference). Exactness is per row: each
+    row's q is the distribution its proposal was drawn from.
+
+    Returns:
+      (tokens `[B, γ]`, q `[B, γ, V]` or None, `[B]` bool: the rows that took the n-gram's).
+    """
+    gamma = tokens.shape[1]
+    ngram, length = ngram_lookup(hist, cur, gamma=gamma, max_n=max_n)
+    use = length >= min_match  # [B]
+    tokens = jnp.where(use[:, None], ngram, tokens)
+    if q is not None:
+        one_hot = jax.nn.one_hot(ngram, q.shape[-1], dtype=q.dtype)  # [B, γ, V]
+        q = jnp.where(use[:, None, None], one_hot, q)
+    return tokens, q, use

@@ -61,7 +61,7 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
-from jaxinfer.speculative.drafters import draft_with_model, ngram_propose
+from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, prefer_ngram
 from jaxinfer.speculative.heads.config import HeadConfig
 from jaxinfer.speculative.heads.drafter import (
     HeadState,
@@ -103,6 +103,7 @@ class _SpecPlan:
     platform: str  # "cpu", "gpu", ... resolved by `prepare_run`: loop layout and caches
     ngram_max: int
     head: HeadConfig | None = None  # a learned head drafter (heads/): Medusa or EAGLE
+    ngram_first: int = 0  # the head's `Head.ngram_first` (0: the head drafts every row)
 
 
 @jax.tree_util.register_dataclass
@@ -215,6 +216,10 @@ def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Spe
             dparams, plan.head, state.dcache, state.hist, state.cur, state.dlen, inputs.tables,
             pick, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
         )  # fmt: skip
+        if plan.ngram_first:
+            tokens, q, _ = prefer_ngram(
+                tokens, q, state.hist, state.cur, max_n=plan.ngram_max, min_match=plan.ngram_first
+            )
         return dataclasses.replace(state, dcache=dcache), tokens, q
     if plan.dcfg is None:
         tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)
@@ -411,7 +416,12 @@ def prepare_run(
         inputs = dataclasses.replace(inputs, penalties=pb, prompt_lens=batch.prompt_lens)
     platform = resolve_platform()  # once, here: the plan carries it into every jitted phase
     backend = resolve_backend(backend, platform)
-    plan = _SpecPlan(cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max, head)
+    first = draft.ngram_first if head is not None else 0
+    if first > ngram_max:
+        raise ValueError(f"the head's ngram_first={first} exceeds ngram_max={ngram_max}")
+    plan = _SpecPlan(
+        cfg, dcfg, gamma, acceptance, block_size, backend, platform, ngram_max, head, first
+    )
     return PreparedRun(plan, tparams, dparams, batch.meta, hist, batch.prompt_lens, inputs, batch.n)
 
 

@@ -11,6 +11,7 @@ Heads are random: exactness holds for any drafter, and the first-draft check nee
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,6 +24,7 @@ from experiments.engine_cycles import read_engine_log
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.model.decoder import forward_dense
 from jaxinfer.speculative import heads
+from jaxinfer.speculative.drafters import ngram_lookup
 from tests.engine.test_spec_engine import TINY, _ecfg, _prompts, check_rejection_chi_square
 from tests.helpers import random_params
 
@@ -99,35 +101,71 @@ def test_greedy_equals_generate_and_drafts_are_the_heads(kind, gamma, chunk, tmp
     engine.allocator.check_invariants()
     assert engine.allocator.num_used_blocks == 0
     # Each drafting cycle's first draft is the head's greedy choice after the committed history.
-    assert _check_first_drafts(log, cfg, params, head, got, prompts) == engine.spec_counters.cycles
+    checked = _check_first_drafts(log, cfg, params, head, got, prompts)
+    assert checked == {True: 0, False: engine.spec_counters.cycles}
     assert engine.spec_counters.cycles > 10
 
 
-def _check_first_drafts(log, cfg, params, head, outs, prompts) -> int:
+def _check_first_drafts(log, cfg, params, head, outs, prompts, ngram_max=3) -> dict[bool, int]:
     """Asserts that every drafting cycle's first draft in the cycle log is the dense head's
     argmax (within 1e-4 of its max logit) after that sample's committed history, and that the
-    histories rebuilt from the log are the outputs; returns the cycles checked."""
+    histories rebuilt from the log are the outputs; returns the cycles checked by source (True:
+    the n-gram's). With a hybrid
+    head (`ngram_first`), the log's n-gram rows must instead hold `ngram_lookup`'s proposal
+    and a match of at least ngram_first tokens, and the head's rows a shorter one."""
     hist, full, dense = {}, {}, {}
+    counts = {True: 0, False: 0}
     for o, p in zip(outs, prompts):
         for j, s in enumerate(o.samples):
             hist[o.request_id, j] = list(p)
             full[o.request_id, j] = list(p) + list(s.token_ids)
-    checked = 0
     for rec in read_engine_log(log):
         key = rec["request_id"], rec["sample_index"]
         seq = hist[key]
         assert seq == full[key][: len(seq)], (rec["step"], key)  # the log replays the output
         if rec["gamma"] > 0:
+            counts[rec["ngram"]] += 1
+            if head.ngram_first:  # which source the row took, and the n-gram's proposal
+                h = jnp.asarray([seq], jnp.int32)
+                tok, n = ngram_lookup(h, jnp.asarray([len(seq) - 1]), gamma=rec["gamma"],
+                                      max_n=ngram_max)  # fmt: skip
+                assert rec["ngram"] == (int(n[0]) >= head.ngram_first), (rec["step"], int(n[0]))
+                if rec["ngram"]:
+                    assert rec["proposed"] == np.asarray(tok[0]).tolist(), rec["step"]
+                    seq.extend(rec["committed"])
+                    continue
+            else:
+                assert not rec["ngram"]
             if key not in dense:  # one dense pass a sample: every cycle reads a prefix of it
                 dense[key] = _dense_first_logits(cfg, params, head, full[key])
             logits = dense[key][len(seq) - 1]
             d = rec["proposed"][0]
             assert logits[d] >= logits.max() - 1e-4, (rec["step"], d, int(logits.argmax()))
-            checked += 1
         seq.extend(rec["committed"])
     for key, seq in hist.items():
         assert seq == full[key], key
-    return checked
+    return counts
+
+
+@pytest.mark.parametrize("kind, first", [("eagle", 1), ("medusa", 1)])
+def test_hybrid_head_is_exact_and_takes_the_ngram_where_the_suffix_recurs(kind, first, tmp_path):
+    """`Head.ngram_first`: greedy output equals `ji.generate` under preemption, prefix caching
+    and chunking; each cycle's drafts are the n-gram's where the suffix of `first`+ tokens
+    recurs, the head's elsewhere, and both sources occur."""
+    cfg, params = _target()
+    prompts = _prompts(cfg)
+    sp, want = _greedy_ref()
+    log = str(tmp_path / "cycles.jsonl")
+    head = dataclasses.replace(_head(kind), ngram_first=first)
+    spec = SpeculativeConfig(drafter=head, num_speculative_tokens=3)
+    engine = Engine(cfg, params, _ecfg(spec, 7, cycle_log=log))
+    got = engine.generate(prompts, sp)
+    assert [o.token_ids for o in got] == want
+    assert engine.num_preemptions > 0
+    engine.allocator.check_invariants()
+    checked = _check_first_drafts(log, cfg, params, head, got, prompts)
+    assert sum(checked.values()) == engine.spec_counters.cycles
+    assert min(checked.values()) > 0, checked  # both sources drafted
 
 
 def test_n_forks_and_copy_on_write_stay_exact(tmp_path):
@@ -144,7 +182,7 @@ def test_n_forks_and_copy_on_write_stay_exact(tmp_path):
     fork = ji.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
     outs = engine.generate(prompts, fork)
     assert [s.token_ids for s in outs[0].samples] == [ref] * 2
-    assert _check_first_drafts(log, cfg, params, head, outs, prompts) > 4
+    assert sum(_check_first_drafts(log, cfg, params, head, outs, prompts).values()) > 4
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
@@ -165,11 +203,16 @@ def test_coupled_sampling_equals_plain_sampling(kind):
 # --------------------------------------------------------------------------- rejection
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_rejection_sampling_is_exact_chi_square(kind, tmp_path):
-    """test_spec_engine's chi-square test with a head on the vocabulary-8 target."""
+@pytest.mark.parametrize("kind, first", [("medusa", 0), ("eagle", 0), ("eagle", 1)])
+def test_rejection_sampling_is_exact_chi_square(kind, first, tmp_path):
+    """test_spec_engine's chi-square test with a head on the vocabulary-8 target; with
+    `ngram_first=1` the rows whose first token occurs in the prompt draft by n-gram (q one-hot),
+    the others by the head, in the same steps."""
     tparams = random_params(TINY, seed=1, std=0.6)
-    check_rejection_chi_square(tparams, _make_head(TINY, kind, seed=3, std=1.0), tmp_path)
+    head = dataclasses.replace(_make_head(TINY, kind, seed=3, std=1.0), ngram_first=first)
+    check_rejection_chi_square(tparams, head, tmp_path)
+    sources = {r["ngram"] for r in read_engine_log(str(tmp_path / "cycles.jsonl"))}
+    assert sources == ({False, True} if first else {False})
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -183,6 +226,10 @@ def test_bad_head_configuration_is_a_value_error():
     other = _make_head(cfg.replace(hidden_size=cfg.hidden_size * 2), "eagle")
     with pytest.raises(ValueError, match="hidden_size"):
         Engine(cfg, params, EngineConfig(speculative=SpeculativeConfig(drafter=other)))
+    with pytest.raises(ValueError, match="ngram_first=4 exceeds ngram_max=3"):
+        SpeculativeConfig(drafter=dataclasses.replace(_head("eagle"), ngram_first=4))
+    with pytest.raises(ValueError, match="Head.ngram_first must be an int >= 0, got -1"):
+        dataclasses.replace(_head("eagle"), ngram_first=-1)
     bad = heads.Head({"kind": "eagle"}, {})
     with pytest.raises(ValueError, match="HeadConfig"):
         SpeculativeConfig(drafter=bad)

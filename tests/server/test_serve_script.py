@@ -35,6 +35,8 @@ def _spawn(*flags):
         ["--speculative=model"],  # without --draft_model
         ["--speculative=head"],  # without --draft_head
         ["--speculative=head", "--draft_head=no-such-head"],
+        ["--speculative=ngram", "--ngram_first=2"],  # the hybrid needs a head
+        ["--ngram_first=4"],
         ["--token_buckets=1,3"], ["--token_buckets=fixed"],
     ],
 )  # fmt: skip

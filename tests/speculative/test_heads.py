@@ -10,6 +10,7 @@ the plain-generation references are shared.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,8 +20,8 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer.sampling import SamplingBatch, process_logits
-from jaxinfer.speculative import heads
-from jaxinfer.speculative.drafters import catch_up_batch
+from jaxinfer.speculative import heads, loop
+from jaxinfer.speculative.drafters import catch_up_batch, ngram_lookup
 from tests.speculative.test_loop import (
     CFG,
     PROMPTS,
@@ -119,6 +120,54 @@ def test_rejection_sampling_follows_the_target_distribution(kind):
         assert np.all(q[outside] == 0)
 
 
+# ------------------------------------------------------------------ hybrid: `ngram_first`
+
+
+def _hybrid(kind, first):
+    return dataclasses.replace(_head(kind), ngram_first=first)
+
+
+@pytest.mark.parametrize("kind, first", [("eagle", 1), ("medusa", 2)])
+def test_hybrid_greedy_and_coupled_equal_plain_generate(kind, first):
+    _, ref, _ = _greedy_requests()
+    sps = _greedy_requests()[0]
+    outs = ji.speculative.generate(_target(), _hybrid(kind, first), PROMPTS, sps, gamma=3)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.finish_reason for o in outs] == [r.finish_reason for r in ref]
+    ref = ji.generate(CFG, _target()[1], PROMPTS, SAMPLED)
+    outs = ji.speculative.generate(
+        _target(), _hybrid(kind, first), PROMPTS, SAMPLED, gamma=3, acceptance="coupled"
+    )
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_hybrid_draft_phase_takes_the_ngram_rows():
+    """One draft phase after the prefill: rows whose last token recurs (a prompt that holds the
+    whole vocabulary) hold `ngram_lookup`'s proposal and a one-hot q; the other row (7 tokens,
+    which the first generated token is not among) holds exactly the head's drafts and q."""
+    rng = np.random.RandomState(3)
+    every = [rng.permutation(CFG.vocab_size).tolist() for _ in range(2)]
+    prompts = [every[0], [1, 2, 3, 4, 5, 6, 7], every[1] + every[1][:3]]
+    sp = ji.SamplingParams(temperature=0, max_tokens=4)
+
+    def draft(head):
+        prep = loop.prepare_run(_target(), head, prompts, sp, 3, "rejection", 16, "auto", 3)
+        state = loop.prefill_run(prep)
+        _, tokens, q = loop.draft_phase(prep.tparams, prep.dparams, state, prep.inputs,
+                                        plan=prep.plan)  # fmt: skip
+        return state, np.asarray(tokens), np.asarray(q)
+
+    state, mine, q_mine = draft(_head("eagle"))
+    _, tokens, q = draft(_hybrid("eagle", 1))
+    ngram, length = ngram_lookup(state.hist, state.cur, gamma=3, max_n=3)
+    use = np.asarray(length) >= 1
+    assert use[: len(prompts)].tolist() == [True, False, True]
+    np.testing.assert_array_equal(tokens[use], np.asarray(ngram)[use])
+    np.testing.assert_array_equal(q[use], np.eye(CFG.vocab_size)[np.asarray(ngram)[use]])
+    np.testing.assert_array_equal(tokens[~use], mine[~use])
+    np.testing.assert_array_equal(q[~use], q_mine[~use])
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle-vocab"])
 def test_eagle_paged_catch_up_matches_dense(kind):
     """The draft's first step (prefill of the prompt, catch-up of 3 committed positions with real
@@ -210,6 +259,10 @@ def test_bad_head_input_raises():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         heads.head_config_for(CFG, "eagle", draft_vocab_size=CFG.vocab_size + 1)
     hc = heads.head_config_for(CFG, "eagle", draft_vocab_size=8)
+    with pytest.raises(ValueError, match="ngram_first=3 exceeds ngram_max=2"):
+        ji.speculative.generate(_target(), _hybrid("eagle", 3), PROMPTS[:1], gamma=2, ngram_max=2)
+    with pytest.raises(ValueError, match="Head.ngram_first must be an int >= 0, got True"):
+        heads.Head(_head("eagle").cfg, _head("eagle").params, ngram_first=True)
     bad = heads.Head(hc, heads.init_eagle(hc, jax.random.key(0)))  # no vocab_ids
     with pytest.raises(ValueError, match="vocab_ids"):
         ji.speculative.generate(_target(), bad, PROMPTS[:1], gamma=2)

@@ -25,7 +25,9 @@ from jaxinfer.speculative import (
     choose_gamma,
     generate_with_log,
     loop,
+    ngram_lookup,
     ngram_propose,
+    prefer_ngram,
     read_cycle_log,
     speedup,
     summarize_log,
@@ -302,6 +304,31 @@ def test_ngram_proposals():
         got,
         [[8, 5, 6, 7, 8], [4, 2, 3, 4, 2], [6, 6, 6, 6, 6], [9, 9, 9, 9, 9]],
     )
+    _, length = ngram_lookup(hist, cur, gamma=5, max_n=3)
+    np.testing.assert_array_equal(length, [3, 2, 0, 3])  # the suffix length that matched
+    _, length = ngram_lookup(hist, cur, gamma=5, max_n=2)
+    np.testing.assert_array_equal(length, [2, 2, 0, 2])
+
+
+def test_prefer_ngram_takes_rows_whose_match_is_long_enough():
+    """The hybrid: rows 0, 1 and 3 match 3, 2 and 3 tokens; with min_match 3 rows 0 and 3 take
+    the n-gram's tokens and a one-hot q, rows 1 and 2 keep the drafter's tokens and q."""
+    hist = jnp.array(
+        [[5, 6, 7, 8, 5, 6, 7, 0, 0, 0], [1, 2, 3, 9, 2, 3, 4, 2, 3, 0],
+         [1, 2, 3, 4, 5, 6, 0, 0, 0, 0], [4, 9, 9, 9, 9, 0, 0, 0, 0, 0]], jnp.int32,
+    )  # fmt: skip
+    cur = jnp.array([6, 8, 5, 4], jnp.int32)
+    mine = jnp.full((4, 2), 11, jnp.int32)
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 2, 16)), axis=-1)
+    tokens, q2, use = prefer_ngram(mine, q, hist, cur, max_n=3, min_match=3)
+    np.testing.assert_array_equal(use, [True, False, False, True])
+    np.testing.assert_array_equal(tokens, [[8, 5], [11, 11], [11, 11], [9, 9]])
+    np.testing.assert_array_equal(q2[1:3], q[1:3])
+    np.testing.assert_array_equal(q2[0], jax.nn.one_hot(jnp.array([8, 5]), 16))
+    np.testing.assert_array_equal(q2[3], jax.nn.one_hot(jnp.array([9, 9]), 16))
+    _, none, use = prefer_ngram(mine, None, hist, cur, max_n=3, min_match=1)
+    assert none is None
+    np.testing.assert_array_equal(use, [True, True, False, True])
 
 
 @pytest.mark.parametrize(

@@ -109,10 +109,23 @@ def head_config_for(cfg: ModelConfig, kind: str, **overrides) -> HeadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-    """A drafter head: pass it as `draft=` to `ji.speculative.generate`."""
+    """A drafter head: pass it as `draft=` to `ji.speculative.generate` or as
+    `ji.SpeculativeConfig(drafter=...)`.
+
+    `ngram_first` (a drafting option, not saved with the head): 0 drafts every row with the
+    head; n >= 1 makes it the hybrid drafter of `drafters.prefer_ngram`: a row whose last n or
+    more committed tokens recur earlier takes the n-gram (prompt-lookup) proposal instead, e.g.
+    `dataclasses.replace(head, ngram_first=2)`. It must not exceed the run's `ngram_max`.
+    """
 
     cfg: HeadConfig
     params: dict  # medusa.init_medusa / eagle.init_eagle layout
+    ngram_first: int = 0
+
+    def __post_init__(self):
+        n = self.ngram_first
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"Head.ngram_first must be an int >= 0, got {n!r}")
 
 
 def check_pairing(hcfg: HeadConfig, cfg: ModelConfig) -> None:
