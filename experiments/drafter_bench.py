@@ -25,7 +25,8 @@ with per-prompt seeds and --acceptance):
   speedup = ratio of median wall times (prefill included), with the 1-minute load average.
 - **Cost** from one host-driven logged run per drafter and batch size (`generate_with_log`):
   draft ms per cycle as a fraction of a plain decode step (t_plain = (wall at max_tokens − wall
-  at 1 token) / (max_tokens − 1), plain `ji.generate`, timed beside it), and the one-cycle cost
+  at 1 token) / (max_tokens − 1), medians of plain `ji.generate`'s walls in the interleaved
+  rotation, where a 1-token plain run precedes every batch), and the one-cycle cost
   model's decode speedup (`autotune.summarize_log`) turned into an end-to-end prediction:
   (t_1 + n·t_plain) / (t_1 + n·t_plain / s_decode), t_1 the 1-token wall, n = max_tokens − 1.
 
@@ -202,29 +203,26 @@ def main(argv):
         for b in sizes:
             groups = _batches(sets["test"], b)
             wall = {n: [] for n in names}
+            first_wall = []  # plain decoding of one token, in the same rotation: t_1
             loads = []
             for _ in range(_REPEATS.value):
                 for grp in groups:
+                    t0 = time.perf_counter()
+                    ji.generate(cfg, params, grp, sampling(temp, len(grp), max_tokens=1))
+                    first_wall.append(time.perf_counter() - t0)
                     for n in names:
                         t0 = time.perf_counter()
                         run(n, grp, temp)
                         wall[n].append(time.perf_counter() - t0)
                         loads.append(common.load_average())
-            one = sampling(temp, len(groups[0]), max_tokens=1)
             full = sampling(temp, len(groups[0]))
-            t1s, tns = [], []
-            for _ in range(3):  # plain decode step: (wall at n tokens − wall at 1) / (n − 1)
-                t0 = time.perf_counter()
-                ji.generate(cfg, params, groups[0], one)
-                t1s.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                ji.generate(cfg, params, groups[0], full)
-                tns.append(time.perf_counter() - t0)
-            t1, tn = statistics.median(t1s), statistics.median(tns)
-            t_plain = (tn - t1) / (n_tok - 1)
-            base = statistics.median(wall["plain"])
+            # The plain decode step, (wall at n − wall at 1) / (n − 1), from the interleaved
+            # walls: a slow spell after the timed loop cannot skew it.
+            base, t1 = statistics.median(wall["plain"]), statistics.median(first_wall)
+            t_plain = (base - t1) / (n_tok - 1)
             cell = {"plain_median_s": base, "t_plain_ms": 1000 * t_plain, "t_first_s": t1,
                     "load_average": [min(loads), max(loads)], "wall_s": wall,
+                    "first_token_wall_s": first_wall,
                     "drafters": {}}  # fmt: skip
             for n in drafters:
                 _, records = generate_with_log(

@@ -174,8 +174,9 @@ class CycleLog:
 
     def write(self, records: list[dict]) -> None:
         """Each record: step, request_id, sample_index, gamma, proposed, accepted, committed,
-        ngram (the hybrid head drafter took the n-gram's proposal for this row), text (with a
-        detokenize callable), draft_ms, verify_ms, batch_size, num_tokens,
+        ngram (the hybrid head drafter took the n-gram's proposal for this row), head_ran (a
+        head drafter drafted in this step: the hybrid skips it when every row takes the
+        n-gram's), text (with a detokenize callable), draft_ms, verify_ms, batch_size, num_tokens,
         gamma_chosen, predicted_tps ({γ: tokens/s or None} of the controller; {} if fixed)."""
         with open(self.path, "a") as f:
             for r in records:
@@ -258,6 +259,7 @@ def account(engine, schedule, record: dict, outs) -> None:
                     accepted=accepted,
                     committed=list(committed.get(sid, [])),
                     ngram=sid in record["ngram_rows"],
+                    head_ran=record["head_ran"],
                     draft_ms=record["draft_ms"],
                     verify_ms=record["verify_ms"],
                     batch_size=record["batch_size"],

@@ -7,11 +7,11 @@ A step with speculation (`EngineConfig.speculative`):
 2. **draft** (`_draft_model`, `_draft_ngram` or a head's `head_drafting._draft`, one jitted
    call; heads: see `head_drafting.py`): the n-gram drafter matches the request's history
    (`drafters.ngram_propose`; a head with `ngram_first` takes its proposal for the rows where
-   the suffix recurs, `drafters.prefer_ngram`); the model drafter runs one ragged forward that
-   mirrors the step's prefill chunks and plain decodes into its own cache and, for each drafting
-   request, feeds its last two committed tokens, then γmax − 1 one-token steps
-   (`cache.metadata.decode_batch`, tokens chosen by the loop's `make_pick`). Only the `[B, γ]` draft
-   ids come back to the host.
+   the suffix recurs, `drafters.prefer_ngram`, and is not run when every row does); the model
+   drafter runs one ragged forward that mirrors the step's prefill chunks and plain decodes
+   into its own cache and, for each drafting request, feeds its last two committed tokens,
+   then γmax − 1 one-token steps (`cache.metadata.decode_batch`, tokens chosen by the loop's
+   `make_pick`). Only the `[B, γ]` draft ids come back to the host.
 3. **verify** (`_verify`, one jitted call): the target's one ragged forward over prefill chunks,
    plain decodes and each drafting request's γ + 1 positions (`logits="all"`), then acceptance on
    the device: the target's own token at every verified position (`sampling.sample`: greedy, or
@@ -63,7 +63,7 @@ from jaxinfer.speculative.acceptance import (
     _noise,
     _rejection_sample_with_noise,
 )
-from jaxinfer.speculative.drafters import ngram_propose, prefer_ngram
+from jaxinfer.speculative.drafters import ngram_propose, ngram_rows, take_ngram
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
 
 
@@ -73,10 +73,15 @@ def _draft_ngram(hist: jax.Array, cur: jax.Array, *, gamma: int, max_n: int) -> 
     return ngram_propose(hist, cur, gamma=gamma, max_n=max_n)
 
 
-@functools.partial(jax.jit, static_argnames=("max_n", "min_match"))
-def _prefer_ngram(d, q, hist, cur, *, max_n: int, min_match: int):
-    """`drafters.prefer_ngram` over a head's drafts `d [Bd, γ]`, `q [Bd, γ, V]`."""
-    return prefer_ngram(d, q, hist, cur, max_n=max_n, min_match=min_match)
+@functools.partial(jax.jit, static_argnames=("gamma", "max_n", "min_match", "vocab_size"))
+def _ngram_rows(hist, cur, *, gamma: int, max_n: int, min_match: int, vocab_size: int):
+    """The hybrid's n-gram side: (proposals `[Bd, γ]`, their one-hot q `[Bd, γ, V]`, `[Bd]` bool:
+    the rows that take them; `drafters.ngram_rows`)."""
+    ngram, use = ngram_rows(hist, cur, gamma=gamma, max_n=max_n, min_match=min_match)
+    return ngram, jax.nn.one_hot(ngram, vocab_size, dtype=jnp.float32), use
+
+
+_take_ngram = jax.jit(take_ngram)  # a head's drafts and q, the n-gram's in the rows that use it
 
 
 @functools.partial(
@@ -254,24 +259,30 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     sps_d = [engine._live[seqs[i].request_id].sampling for i in spec_idx]
     dm = engine.draft_model
     ngram_rows = set()
+    head_ran = False  # a head drafter drafted this step (the hybrid skips it when it can)
+    cur = np.zeros(bd, np.int32)  # position n of each drafting request's last committed token
+    cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
     if engine.draft_head is not None:
         if spec_idx:
-            d, q = head_drafting.draft(engine, schedule, spec_idx, bd, gstep)
             first = spec.draft_head.ngram_first
+            use = np.zeros(bd, bool)
             if first:  # the hybrid drafter: prompt lookup where the suffix recurs
-                cur = np.zeros(bd, np.int32)
-                cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
-                d, q, use = _prefer_ngram(
-                    d, q, history(engine, schedule, spec_idx, bd), cur, max_n=spec.ngram_max,
-                    min_match=first,
+                ng, ng_q, use = _ngram_rows(
+                    history(engine, schedule, spec_idx, bd), cur, gamma=gstep,
+                    max_n=spec.ngram_max, min_match=first, vocab_size=engine.cfg.vocab_size,
                 )  # fmt: skip
                 use = np.asarray(use)
                 ngram_rows = {seqs[i].seq_id for k, i in enumerate(spec_idx) if use[k]}
+            if use[: len(spec_idx)].all():  # no row drafts from the head: its drafting is
+                d, q = ng, ng_q  # skipped (`_observe` rewrites every row it would write)
+            else:
+                d, q = head_drafting.draft(engine, schedule, spec_idx, bd, gstep)
+                if first:
+                    d, q = _take_ngram(d, q, ng, use)
+                head_ran = True
             dtok = np.asarray(d)
     elif dm is not None:
         if spec_idx:
-            cur = np.zeros(bd, np.int32)
-            cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
             meta, first, tables = build_mirror(engine, schedule, spec_idx, bd, gstep)
             sbd = SamplingBatch.from_params(sps_d, pad_to=bd)
             dindex = np.zeros(bd, np.int32)
@@ -292,8 +303,6 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
             engine.dcache = _mirror(dm[1], engine.dcache, meta, dcfg=dm[0], backend=cfg.backend)
             jax.block_until_ready(engine.dcache)
     elif spec_idx:
-        cur = np.zeros(bd, np.int32)
-        cur[: len(spec_idx)] = [seqs[i].start_pos for i in spec_idx]
         d = _draft_ngram(history(engine, schedule, spec_idx, bd), cur, gamma=gstep,
                          max_n=spec.ngram_max)  # fmt: skip
         if spec.acceptance == "rejection":
@@ -367,6 +376,7 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
             out[sid] = (tokens[r, : n[r]].tolist(), int(pos[r, 0]))
         record["rows"][sid] = (int(gam[r]), draft[r, : gam[r]].tolist(), int(n[r]) - 1)
     record["ngram_rows"] = ngram_rows  # seq ids that took the hybrid's n-gram proposal
+    record["head_ran"] = head_ran
     record["batch_size"] = len(seqs)
     record["num_tokens"] = schedule.num_batched_tokens
     return out, record

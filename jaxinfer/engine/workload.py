@@ -132,7 +132,8 @@ def engine_compiles() -> int:
     """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror,
     heads): a benchmark compares it before and after a timed run to tell one that compiled."""
     fns = (_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
-           speculation._mirror, speculation._prefer_ngram, head_drafting._draft,
+           speculation._mirror, speculation._ngram_rows, speculation._take_ngram,
+           head_drafting._draft,
            head_drafting._observe)  # fmt: skip
     return sum(f._cache_size() for f in fns)
 

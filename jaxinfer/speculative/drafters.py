@@ -15,7 +15,7 @@ Two drafters, both pure functions of the committed sequence state:
 
 `prefer_ngram` combines the n-gram with a learned head (`heads/`): per row, the n-gram's
 proposal where the suffix recurs, the head's elsewhere (a `Head` with `ngram_first` set, in the
-loop and in the engine).
+loop and in the engine, which skip the head's drafting when every row takes the n-gram's).
 
 Tokens are chosen by a `pick(logits [B, V], step) -> (tokens [B], q [B, V])` callback that the
 loop builds for the acceptance mode (greedy, rejection noise or the coupled Gumbel noise), so the
@@ -196,6 +196,34 @@ def ngram_propose(
     return ngram_lookup(hist, cur, gamma=gamma, max_n=max_n)[0]
 
 
+def ngram_rows(
+    hist: jax.Array,  # [B, C] int32
+    cur: jax.Array,  # [B] int32
+    *,
+    gamma: int,
+    max_n: int,
+    min_match: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The hybrid drafter's choice: (`ngram_lookup`'s proposals `[B, γ]`, `[B]` bool: the rows
+    whose last `min_match`+ tokens recur earlier, which take them)."""
+    ngram, length = ngram_lookup(hist, cur, gamma=gamma, max_n=max_n)
+    return ngram, length >= min_match
+
+
+def take_ngram(
+    tokens: jax.Array,  # [B, γ] int32 a learned drafter's proposals
+    q: jax.Array | None,  # [B, γ, V] float32 their draft distributions (None: not needed)
+    ngram: jax.Array,  # [B, γ] int32
+    use: jax.Array,  # [B] bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """Rows in `use` take the n-gram's proposal with a one-hot q; the rest keep the drafter's."""
+    tokens = jnp.where(use[:, None], ngram, tokens)
+    if q is not None:
+        one_hot = jax.nn.one_hot(ngram, q.shape[-1], dtype=q.dtype)  # [B, γ, V]
+        q = jnp.where(use[:, None, None], one_hot, q)
+    return tokens, q
+
+
 def prefer_ngram(
     tokens: jax.Array,  # [B, γ] int32 a learned drafter's proposals
     q: jax.Array | None,  # [B, γ, V] float32 their draft distributions (None: not needed)
@@ -211,16 +239,12 @@ def prefer_ngram(
     Text that repeats itself (code, lists, a model's own loops) is where prompt lookup is
     accepted whole and a small drafter is not; elsewhere the learned drafter wins (suffix
     decoding's hybrid with a learned speculator, Arctic Inference). Exactness is per row: each
-    row's q is the distribution its proposal was drawn from.
+    row's q is the distribution its proposal was drawn from. The loop and the engine call
+    `ngram_rows` first and run the learned drafter only when some row needs it.
 
     Returns:
       (tokens `[B, γ]`, q `[B, γ, V]` or None, `[B]` bool: the rows that took the n-gram's).
     """
-    gamma = tokens.shape[1]
-    ngram, length = ngram_lookup(hist, cur, gamma=gamma, max_n=max_n)
-    use = length >= min_match  # [B]
-    tokens = jnp.where(use[:, None], ngram, tokens)
-    if q is not None:
-        one_hot = jax.nn.one_hot(ngram, q.shape[-1], dtype=q.dtype)  # [B, γ, V]
-        q = jnp.where(use[:, None, None], one_hot, q)
+    ngram, use = ngram_rows(hist, cur, gamma=tokens.shape[1], max_n=max_n, min_match=min_match)
+    tokens, q = take_ngram(tokens, q, ngram, use)
     return tokens, q, use

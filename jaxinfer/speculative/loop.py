@@ -61,13 +61,13 @@ from jaxinfer.sampling import (
     sample,
 )
 from jaxinfer.speculative.acceptance import coupled_accept, greedy_accept, rejection_sample
-from jaxinfer.speculative.drafters import draft_with_model, ngram_propose, prefer_ngram
+from jaxinfer.speculative.drafters import draft_with_model, ngram_propose
 from jaxinfer.speculative.heads.config import HeadConfig
 from jaxinfer.speculative.heads.drafter import (
     HeadState,
-    head_draft,
     head_observe,
     head_prefill,
+    hybrid_draft,
     unpack_draft,
 )
 from jaxinfer.speculative.noise import ACCEPT_TAG, cycle_keys, make_pick
@@ -212,14 +212,11 @@ def _draft(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _Spe
     del tparams  # same signature as _verify, so both drivers call the phases alike
     if plan.head is not None:
         pick = make_pick(inputs.sb, state.cur, plan.acceptance)
-        dcache, tokens, q = head_draft(
+        dcache, tokens, q = hybrid_draft(  # `head_draft` when ngram_first is 0
             dparams, plan.head, state.dcache, state.hist, state.cur, state.dlen, inputs.tables,
-            pick, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
+            pick, state.done, gamma=plan.gamma, block_size=plan.block_size, backend=plan.backend,
+            max_n=plan.ngram_max, min_match=plan.ngram_first, vocab_size=plan.cfg.vocab_size,
         )  # fmt: skip
-        if plan.ngram_first:
-            tokens, q, _ = prefer_ngram(
-                tokens, q, state.hist, state.cur, max_n=plan.ngram_max, min_match=plan.ngram_first
-            )
         return dataclasses.replace(state, dcache=dcache), tokens, q
     if plan.dcfg is None:
         tokens = ngram_propose(state.hist, state.cur, gamma=plan.gamma, max_n=plan.ngram_max)

@@ -11,6 +11,7 @@ Heads are random: exactness holds for any drafter, and the first-draft check nee
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -166,6 +167,40 @@ def test_hybrid_head_is_exact_and_takes_the_ngram_where_the_suffix_recurs(kind, 
     checked = _check_first_drafts(log, cfg, params, head, got, prompts)
     assert sum(checked.values()) == engine.spec_counters.cycles
     assert min(checked.values()) > 0, checked  # both sources drafted
+    _check_head_ran(log, both=False)
+
+
+def _check_head_ran(log: str, both: bool) -> None:
+    """The head drafted in exactly the steps where some drafting row did not take the n-gram's
+    (`head_ran`); with `both`, steps of each kind occurred."""
+    steps = collections.defaultdict(list)
+    for rec in read_engine_log(log):
+        if rec["gamma"] > 0:
+            steps[rec["step"]].append(rec)
+    ran = {k: recs[0]["head_ran"] for k, recs in steps.items()}
+    assert ran == {k: not all(r["ngram"] for r in recs) for k, recs in steps.items()}
+    if both:
+        assert set(ran.values()) == {False, True}, ran
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_hybrid_skips_the_head_when_every_row_takes_the_ngram(kind, tmp_path):
+    """One request on a prompt that repeats itself: steps in which its row takes the n-gram's
+    proposal do not run the head. Output equals `ji.generate`, and every head draft, including
+    those right after skipped steps, is still the dense head's argmax after the committed
+    history (the pool's rows are rewritten by `_observe`, not by the draft)."""
+    cfg, params = _target()
+    p = np.random.default_rng(1).integers(3, cfg.vocab_size, 6).tolist()
+    prompts = [p + p + p[:3]]
+    sp = ji.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    log = str(tmp_path / "cycles.jsonl")
+    head = dataclasses.replace(_head(kind), ngram_first=1)
+    engine = Engine(cfg, params, _ecfg(SpeculativeConfig(drafter=head, num_speculative_tokens=3),
+                                       7, cycle_log=log))  # fmt: skip
+    got = engine.generate(prompts, sp)
+    assert got[0].token_ids == ji.generate(cfg, params, prompts, sp)[0].token_ids
+    _check_first_drafts(log, cfg, params, head, got, prompts)
+    _check_head_ran(log, both=True)
 
 
 def test_n_forks_and_copy_on_write_stay_exact(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import jaxinfer as ji
 from jaxinfer.sampling import SamplingBatch, process_logits
 from jaxinfer.speculative import heads, loop
-from jaxinfer.speculative.drafters import catch_up_batch, ngram_lookup
+from jaxinfer.speculative.drafters import catch_up_batch, ngram_lookup, prefer_ngram
 from tests.speculative.test_loop import (
     CFG,
     PROMPTS,
@@ -166,6 +166,33 @@ def test_hybrid_draft_phase_takes_the_ngram_rows():
     np.testing.assert_array_equal(q[use], np.eye(CFG.vocab_size)[np.asarray(ngram)[use]])
     np.testing.assert_array_equal(tokens[~use], mine[~use])
     np.testing.assert_array_equal(q[~use], q_mine[~use])
+
+
+@pytest.mark.parametrize("kind, first", [("eagle", 2), ("medusa", 1)])
+def test_hybrid_skips_the_head_without_changing_a_draft(kind, first):
+    """Cycles where every live row takes the n-gram's do not run the head (EAGLE only catches its
+    cache up): cycle by cycle, the loop's draft phase equals the head drafting every cycle and
+    `prefer_ngram` after it (tokens and q of every live row), in cycles of both kinds and in
+    head cycles that follow skipped ones, whose drafts read the rows the catch-up wrote."""
+    sp = ji.SamplingParams(temperature=0, max_tokens=40)
+    prep = loop.prepare_run(_target(), _hybrid(kind, first), PROMPTS, sp, 3, "rejection", 16,
+                            "auto", 3)  # fmt: skip
+    every_cycle = dataclasses.replace(prep.plan, ngram_first=0)  # the head drafts every cycle
+    a = b = loop.prefill_run(prep)
+    skipped = []
+    while not np.all(np.asarray(a.done)):
+        live = ~np.asarray(a.done)
+        _, length = ngram_lookup(a.hist, a.cur, gamma=3, max_n=3)
+        skipped.append(bool(np.all(np.asarray(length)[live] >= first)))
+        a2, ta, qa = loop.draft_phase(prep.tparams, prep.dparams, a, prep.inputs, plan=prep.plan)
+        b2, tb, qb = loop.draft_phase(prep.tparams, prep.dparams, b, prep.inputs,
+                                      plan=every_cycle)  # fmt: skip
+        tb, qb, _ = prefer_ngram(tb, qb, b.hist, b.cur, max_n=3, min_match=first)
+        np.testing.assert_array_equal(np.asarray(ta)[live], np.asarray(tb)[live])
+        np.testing.assert_array_equal(np.asarray(qa)[live], np.asarray(qb)[live])
+        a, _ = loop.verify_phase(prep.tparams, ta, qa, a2, prep.inputs, plan=prep.plan)
+        b, _ = loop.verify_phase(prep.tparams, tb, qb, b2, prep.inputs, plan=prep.plan)
+    assert (True, False) in set(zip(skipped, skipped[1:])), skipped  # a head cycle after a skip
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle-vocab"])

@@ -7,7 +7,8 @@ head's own paged KV cache on the target's block tables.
 
 * `head_prefill` — after the target's prefill: stores the prompt's features and (EAGLE) writes
   the head's cache rows of the prompt.
-* `head_draft` — γ tokens and their q, chosen by the loop's `pick`.
+* `head_draft` — γ tokens and their q, chosen by the loop's `pick`; `hybrid_draft` for a head
+  with `ngram_first`.
 * `head_observe` — after verification: stores the features of the γ+1 verified positions
   (those past the commit are stale and get overwritten by the next verification before any
   read: the heads read features only below `cur`).
@@ -28,9 +29,14 @@ import jax.numpy as jnp
 from jaxinfer.cache.metadata import BatchMetadata
 from jaxinfer.cache.paged import PagedKVCache, init_cache
 from jaxinfer.config import ModelConfig
-from jaxinfer.speculative.drafters import row_seq
+from jaxinfer.speculative.drafters import ngram_rows, row_seq, take_ngram
 from jaxinfer.speculative.heads.config import Head, HeadConfig
-from jaxinfer.speculative.heads.eagle import draft_eagle, eagle_paged, previous_features
+from jaxinfer.speculative.heads.eagle import (
+    draft_eagle,
+    eagle_catch_up,
+    eagle_paged,
+    previous_features,
+)
 from jaxinfer.speculative.heads.lm import pair
 from jaxinfer.speculative.heads.medusa import draft_medusa
 
@@ -82,6 +88,42 @@ def head_draft(rp, hcfg: HeadConfig, hs: HeadState, hist, cur, dlen, tables, pic
         gamma=gamma, block_size=block_size, backend=backend,
     )  # fmt: skip
     return dataclasses.replace(hs, cache=cache), tokens, q
+
+
+def hybrid_draft(rp, hcfg: HeadConfig, hs: HeadState, hist, cur, dlen, tables, pick, done, *,
+                 gamma: int, block_size: int, backend: str, max_n: int, min_match: int,
+                 vocab_size: int):  # fmt: skip
+    """`Head.ngram_first` = min_match: `head_draft` with the n-gram's proposal (q one-hot) in the
+    rows whose last `min_match`+ tokens recur (`drafters.prefer_ngram`) -> (state, tokens, q);
+    `head_draft` itself for min_match = 0.
+
+    When every row not `done [B]` takes the n-gram's, the head does not draft: EAGLE only
+    catches its cache up on the committed rows (`eagle_catch_up`), which is the part of a draft
+    the next cycle reads; the rows its feedback steps would write lie past `cur` and are
+    rewritten before any read, as after a rejection.
+    """
+    if not min_match:
+        return head_draft(rp, hcfg, hs, hist, cur, dlen, tables, pick, gamma=gamma,
+                          block_size=block_size, backend=backend)  # fmt: skip
+    ngram, use = ngram_rows(hist, cur, gamma=gamma, max_n=max_n, min_match=min_match)
+
+    def ngram_only(hs):
+        if hcfg.kind == "eagle":
+            _, cache = eagle_catch_up(
+                rp, hcfg, hs.cache, hs.feats, hist, cur, dlen, tables, gamma=gamma,
+                block_size=block_size, backend=backend,
+            )  # fmt: skip
+            hs = dataclasses.replace(hs, cache=cache)
+        return hs, ngram, jax.nn.one_hot(ngram, vocab_size, dtype=jnp.float32)
+
+    def with_head(hs):
+        hs, tokens, q = head_draft(
+            rp, hcfg, hs, hist, cur, dlen, tables, pick, gamma=gamma, block_size=block_size,
+            backend=backend,
+        )  # fmt: skip
+        return hs, *take_ngram(tokens, q, ngram, use)
+
+    return jax.lax.cond(jnp.all(use | done), ngram_only, with_head, hs)
 
 
 def head_observe(hs: HeadState, hidden: jax.Array, cur: jax.Array) -> HeadState:

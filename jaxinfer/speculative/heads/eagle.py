@@ -105,11 +105,10 @@ def draft_eagle(
     backend: str,
 ) -> tuple[PagedKVCache, jax.Array, jax.Array]:
     """γ drafts -> (cache, tokens `[B, γ]` int32, q `[B, γ, V]` float32); see the module doc."""
-    batch = catch_up_batch(hist, cur, dlen, tables, block_size, width=gamma + 1)
-    seq = row_seq(batch.query_start, batch.tokens.shape[0])  # [T]
-    prev = previous_features(feats, seq, batch.positions)  # [T, E]
-    out, cache = eagle_paged(rp, hcfg, batch, cache, prev, backend)
-    feat = out[batch.logits_indices]  # [B, E] ĥ_cur
+    feat, cache = eagle_catch_up(
+        rp, hcfg, cache, feats, hist, cur, dlen, tables, gamma=gamma, block_size=block_size,
+        backend=backend,
+    )  # fmt: skip
     tok, q = pick(feature_logits(rp, hcfg, feat), 0)
     cache, toks, qs = eagle_feed(
         rp, hcfg, cache, tok, feat, cur, tables, pick, jnp.arange(1, gamma),
@@ -118,6 +117,29 @@ def draft_eagle(
     tokens = jnp.concatenate([tok[:, None], toks], axis=1)  # [B, γ]
     q_all = jnp.concatenate([q[:, None], qs], axis=1)  # [B, γ, V]
     return cache, tokens, q_all
+
+
+def eagle_catch_up(
+    rp: dict,
+    hcfg: HeadConfig,
+    cache: PagedKVCache,
+    feats: jax.Array,  # [B, C, E] target features by position, exact up to cur − 1
+    hist: jax.Array,  # [B, C] int32
+    cur: jax.Array,  # [B] int32
+    dlen: jax.Array,  # [B] int32; cur − dlen <= γ
+    tables: jax.Array,  # [B, M] int32
+    *,
+    gamma: int,
+    block_size: int,
+    backend: str,
+) -> tuple[jax.Array, PagedKVCache]:
+    """Writes the cache rows dlen..cur from real features -> (ĥ_cur `[B, E]`, cache): the draft's
+    first step, and all a cycle needs when no row drafts from the head (the hybrid's n-gram)."""
+    batch = catch_up_batch(hist, cur, dlen, tables, block_size, width=gamma + 1)
+    seq = row_seq(batch.query_start, batch.tokens.shape[0])  # [T]
+    prev = previous_features(feats, seq, batch.positions)  # [T, E]
+    out, cache = eagle_paged(rp, hcfg, batch, cache, prev, backend)
+    return out[batch.logits_indices], cache
 
 
 def eagle_feed(
