@@ -3,6 +3,8 @@
     import jaxinfer as ji
     cfg, params = ji.load_checkpoint(path)
     outs = ji.generate(cfg, params, prompts, ji.SamplingParams(temperature=0, max_tokens=32))
+
+The public API is re-exported below under banners, in reading order.
 """
 
 import importlib

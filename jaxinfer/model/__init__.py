@@ -15,5 +15,10 @@ from jaxinfer.model.decoder import forward, forward_dense
 from jaxinfer.model.params import cpu_layout, inference_layout, init_params, param_shapes
 
 __all__ = [
-    "cpu_layout", "forward", "forward_dense", "inference_layout", "init_params", "param_shapes"
+    "cpu_layout",
+    "forward",
+    "forward_dense",
+    "inference_layout",
+    "init_params",
+    "param_shapes",
 ]
