@@ -50,7 +50,7 @@ from jaxinfer.cache.metadata import bucket
 from jaxinfer.checks import as_float
 from jaxinfer.config import ModelConfig
 from jaxinfer.distributed.engine_mesh import place_engine
-from jaxinfer.engine import recovery, speculation
+from jaxinfer.engine import compiled, recovery, speculation
 from jaxinfer.engine.buckets import measure_token_buckets
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.cycles import account, init_speculation
@@ -294,6 +294,7 @@ class Engine:
           One StreamOutput per sample that received tokens, or failed, this step, in schedule
           order (failed requests last).
         """
+        compiled.GUARD.check()  # programs dropped if a compilation could cross the map limit
         t_start = time.perf_counter()  # the controller's step time: the whole step, host included
         self._observe = None
         if self.spec is None:

@@ -26,10 +26,10 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import head_drafting, speculation
 from jaxinfer.engine.buckets import pad_tokens
+from jaxinfer.engine.compiled import engine_compiles  # noqa: F401  (re-exported)
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.engine import Engine, _step
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.metrics import SLO, MetricsCollector
 from jaxinfer.sampling import SamplingParams
 
@@ -126,16 +126,6 @@ def _check_text(text, vocab: int, max_len: int) -> np.ndarray:
 def greedy(max_tokens: int) -> SamplingParams:
     """The benchmarks' sampling: greedy, eos ignored (output lengths are the workload's)."""
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def engine_compiles() -> int:
-    """Compilations so far of the engine's jitted functions (step, verify, drafts, mirror,
-    heads): a benchmark compares it before and after a timed run to tell one that compiled."""
-    fns = (_step, speculation._verify, speculation._draft_ngram, speculation._draft_model,
-           speculation._mirror, speculation._ngram_rows, speculation._take_ngram,
-           head_drafting._draft,
-           head_drafting._observe)  # fmt: skip
-    return sum(f._cache_size() for f in fns)
 
 
 def warm_engine(cfg: ModelConfig, params: dict, ecfg: EngineConfig, max_len: int) -> None:
