@@ -85,6 +85,12 @@ CASES = {
         (["--cache_blocks=0"], "0 is not an integer >= 1"),
     ],
     "bucket_tables": [([], None), (["--processes=0"], "not a positive integer")],
+    "map_count": [
+        ([], None),
+        (["--formats=float32", "--warm_up=1,2"], None),
+        (["--formats=int3"], r"'int3' is not one of gguf-as-stored, float32"),
+        (["--warm_up=0"], "0 is not an integer >= 1"),
+    ],
     "step_ab": [
         ([], None),
         (["--compare=row_forms", "--contexts=100,1000"], None),
