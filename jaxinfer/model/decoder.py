@@ -79,8 +79,14 @@ def forward(
             raise ValueError(
                 f"params hold {len(params['layers'])} layers, cfg.num_layers={cfg.num_layers}"
             )
+        # Inside a jit, one trace serves every layer of the same shapes: a nested jit with the
+        # index traced. XLA inlines its calls (the index a constant again: the optimized program
+        # is the one the plain loop gives), and tracing and lowering each of SmolLM2's 30 layers
+        # on its own cost ~4 s of each step shape's compilation. Called eagerly, the plain loop.
+        tracing = isinstance(x, jax.core.Tracer)
+        run = jax.jit(layer) if tracing else layer
         for i, lp in enumerate(params["layers"]):
-            (x, cache), _ = layer((x, cache), (lp, i))
+            (x, cache), _ = run((x, cache), (lp, jnp.int32(i) if tracing else i))
     else:  # stacked form: one scan (weights sliced per layer; see `inference_layout`)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
