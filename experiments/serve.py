@@ -11,9 +11,11 @@ r"""Serves a model over the OpenAI HTTP API (jaxinfer.server) until SIGTERM or C
         --draft_head=smollm2-135m-eagle --ngram_first=2 --num_speculative_tokens=auto
 
 --model is a shipped model name (jaxinfer.models.names()) or an HF checkpoint directory.
---port=0 picks a free port. Once the server accepts connections it prints one line
-`serving MODEL at http://HOST:PORT` (scripts wait for it). SIGTERM stops admitting, gives
-in-flight requests --shutdown_timeout seconds, aborts the rest, and exits 0.
+Compiled programs are kept in --compilation_cache (on by default), so a second start loads
+them instead of compiling (`ji.enable_compilation_cache`). --port=0 picks a free port. Once the
+server accepts connections it prints one line `serving MODEL at http://HOST:PORT` (scripts wait
+for it). SIGTERM stops admitting, gives in-flight requests --shutdown_timeout seconds, aborts the
+rest, and exits 0.
 
 --speculative=ngram (prompt lookup), =model (with --draft_model) or =head (a learned Medusa or
 EAGLE-style head trained for the model, with --draft_head: a shipped head's name, e.g.
@@ -82,6 +84,11 @@ _TOKEN_BUCKETS = flags.DEFINE_string(
     "engine's, so two engines step alike).",
 )  # fmt: skip
 _WARMUP = flags.DEFINE_boolean("warmup", True, "Compile every step shape before serving.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", "default", "Folder that keeps compiled programs across starts "
+    "(ji.enable_compilation_cache): 'default' is $JAXINFER_CACHE_DIR/xla or "
+    "~/.cache/jaxinfer/xla; '' turns it off.",
+)  # fmt: skip
 _SPECULATIVE = flags.DEFINE_enum(
     "speculative", "none", ["none", "ngram", "model", "head"], "Speculative decoding's drafter."
 )
@@ -120,6 +127,10 @@ def _model_is_valid(value: str) -> bool:
 flags.register_validator(
     "model", _model_is_valid, "--model must be a shipped model name or an existing path"
 )
+flags.register_validator(
+    "compilation_cache", lambda v: v in ("", "default") or not os.path.isfile(v),
+    "--compilation_cache must be a folder (new or existing), 'default' or ''",
+)  # fmt: skip
 
 
 def token_buckets(value: str) -> str | tuple[int, ...]:
@@ -270,6 +281,9 @@ def warmup(engine: ji.Engine, max_len: int | None = None) -> None:
 
 def main(argv):
     del argv
+    if _COMPILATION_CACHE.value:
+        where = None if _COMPILATION_CACHE.value == "default" else _COMPILATION_CACHE.value
+        logging.info("compilation cache: %s", ji.enable_compilation_cache(where))
     path = model_path(_MODEL.value)
     name = _SERVED_NAME.value or _MODEL.value
     template = _CHAT_TEMPLATE.value

@@ -28,6 +28,10 @@ from jaxinfer.requests import GenerationOutput
 from jaxinfer.generate import generate
 from jaxinfer.scoring import score
 
+# ---------------------------------------------------------------- compiled programs on disk
+from jaxinfer.compilation_cache import disable as disable_compilation_cache
+from jaxinfer.compilation_cache import enable as enable_compilation_cache
+
 # ---------------------------------------------------------------- subpackages (lazy)
 # Imported on first use so `import jaxinfer` stays light: ji.quant, ji.speculative, ...
 _LAZY = (
@@ -58,13 +62,14 @@ __all__ = [
     "Tokenizer",
     "build_metadata",
     "cpu_layout",
+    "disable_compilation_cache",
+    "enable_compilation_cache",
     "forward",
     "forward_dense",
     "from_hf_config",
     "generate",
     "init_cache",
     "inference_layout",
-    "cpu_layout",
     "init_params",
     "load_checkpoint",
     "load_tokenizer",

@@ -1,9 +1,17 @@
 """Suite-wide fixtures, and the number of pytest-xdist workers."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
+
+# Servers the tests start keep their compiled programs (experiments/serve.py's default
+# --compilation_cache) in a folder of this run, not in the user's cache.
+os.environ["JAXINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-tests-")
+atexit.register(shutil.rmtree, os.environ["JAXINFER_CACHE_DIR"], ignore_errors=True)
 
 # `-n auto` (setup.cfg) gives one worker per core, at most this many. A worker's step is
 # compilation (one thread) and XLA's run (all cores), so two workers on two cores keep both busy

@@ -85,6 +85,13 @@ CASES = {
         (["--cache_blocks=0"], "0 is not an integer >= 1"),
     ],
     "bucket_tables": [([], None), (["--processes=0"], "not a positive integer")],
+    "compile_cache": [
+        ([], None),
+        (["--speculative=none", "--max_num_seqs=4", "--min_compile_secs=0"], None),
+        (["--speculative=eagle"], r"value should be one of <hybrid\|none>"),
+        (["--rounds=0"], "0 is not a positive integer"),
+        (["--baseline=no/such/checkout"], "--baseline must be a jaxinfer checkout"),
+    ],
     "map_count": [
         ([], None),
         (["--formats=float32", "--warm_up=1,2"], None),

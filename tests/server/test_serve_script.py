@@ -38,6 +38,7 @@ def _spawn(*flags):
         ["--speculative=ngram", "--ngram_first=2"],  # the hybrid needs a head
         ["--ngram_first=4"],
         ["--token_buckets=1,3"], ["--token_buckets=fixed"],
+        ["--compilation_cache=README.md"],  # a file, not a folder
     ],
 )  # fmt: skip
 def test_bad_flags_fail_at_parse_time(flags):
@@ -94,10 +95,11 @@ def test_speculative_flags_metrics_and_logs(tmp_path):
     assert rec["arrival"] <= rec["first_token"] <= rec["finish"]
 
 
-def test_sigterm_finishes_in_flight_and_exits_0():
+def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
     proc = _spawn(
         "--model=target", "--port=0", "--num_blocks=129", "--max_num_seqs=4",
         "--max_num_batched_tokens=64", "--shutdown_timeout=300",  # a guard: a loaded CPU is slow
+        f"--compilation_cache={tmp_path / 'xla'}",
     )  # fmt: skip
     try:
         url = _wait_serving(proc)
@@ -117,6 +119,7 @@ def test_sigterm_finishes_in_flight_and_exits_0():
         assert proc.wait(timeout=60) == 0
         with pytest.raises(openai.APIConnectionError):
             client.models.list()
+        assert len(os.listdir(tmp_path / "xla")) >= 2  # the warm-up's step programs were kept
     finally:
         if proc.poll() is None:
             proc.kill()
