@@ -65,7 +65,9 @@ def listen(name, **kw):
 monitoring.register_event_listener(listen)
 cfg, params = ji.load_checkpoint(ji.models.path("target"))  # before: its programs are not cached
 ji.enable_compilation_cache(sys.argv[1], min_compile_secs=0)
-engine = ji.Engine(cfg, params, ji.EngineConfig(num_blocks=32, max_num_batched_tokens=32))
+# Fixed T buckets: "measured" ones follow this process's timings, and so can the step shapes.
+ecfg = ji.EngineConfig(num_blocks=32, max_num_batched_tokens=32, token_buckets="pow2")
+engine = ji.Engine(cfg, params, ecfg)
 outs = engine.generate([[5, 6, 7] * 5, [9] * 20], ji.SamplingParams(temperature=0, max_tokens=8))
 print("RESULT" + json.dumps({**events, "tokens": [list(o.token_ids) for o in outs]}))
 """
