@@ -21,6 +21,10 @@ distilled draft model.
    target's (EAGLE-1's pair of losses). EAGLE is unrolled `--unroll` steps: step k feeds the
    features predicted at step k−1 in place of the real ones (what drafting does after its
    first token) and weighs 0.8^k, EAGLE's schedule; Medusa head k weighs 0.8^k likewise.
+   With `--chain_attention` step k's rows also attend as drafting's k-th step does: to the
+   rows written from real features up to the cycle's start and to the cycle's own earlier
+   steps (`heads.eagle.eagle_dense_chain`, EAGLE-3's training-time test); without it every
+   row of step k attends to step k's rows, a context drafting never sees.
    AdamW, warm-up then cosine decay, gradient clipping at 1.
 3. **Reproducible and resumable.** Window order is a function of (seed, step) only; orbax
    checkpoints hold params, optimizer state and step; `loss_curve.jsonl` has one line per
@@ -92,6 +96,10 @@ class DrafterTrainConfig:
     num_medusa_heads: int = 4
     eagle_intermediate: int = 0  # 0: the target's intermediate size
     unroll: int = 2  # EAGLE steps unrolled in the loss
+    # True: unrolled steps attend as drafting does (`heads.eagle.eagle_dense_chain`, EAGLE-3's
+    # training-time test); False: every row of step k reads step k-1's predictions (the first
+    # heads were trained so; drafting never sees such context rows).
+    chain_attention: bool = False
     reg_weight: float = 0.1  # EAGLE feature regression weight beside the soft CE (weight 1)
     draft_hidden: int = 128  # the distilled draft model's shape
     draft_layers: int = 2
@@ -253,15 +261,24 @@ def medusa_loss(hp, frozen, hcfg, batch):
     return total, parts
 
 
-def eagle_loss(hp, frozen, hcfg, batch, unroll: int, reg_weight: float):
+def eagle_loss(hp, frozen, hcfg, batch, unroll: int, reg_weight: float, chain: bool = False):
     rp = dict(frozen, head=hp)
     h = batch["hidden"].astype(jnp.float32)  # [B, S, E] targets h_t
     prev = _shift(h)
+    chained = (
+        heads.eagle.eagle_dense_chain(rp, hcfg, batch["tokens"], prev, unroll) if chain else None
+    )
     total, parts = 0.0, {}
     for k in range(unroll):  # step k reads the features predicted at step k-1
-        pred = heads.eagle_dense(rp, hcfg, batch["tokens"], prev)  # [B, S, E]
-        ce = soft_ce(_sub_logits(rp, hcfg, pred), batch["sub_ids"], batch["top_probs"]).mean()
-        reg = optax.huber_loss(pred, h).mean()
+        pred = chained[k] if chain else heads.eagle_dense(rp, hcfg, batch["tokens"], prev)
+        ce = soft_ce(_sub_logits(rp, hcfg, pred), batch["sub_ids"], batch["top_probs"])  # [B, S]
+        reg = optax.huber_loss(pred, h)  # [B, S, E]
+        if chain:  # a chained step k has a drafting cycle at positions >= k only
+            w = (jnp.arange(h.shape[1]) >= k).astype(jnp.float32)  # [S]
+            n = w.sum() * h.shape[0]
+            ce, reg = ce.sum(0) @ w / n, reg.mean(-1).sum(0) @ w / n
+        else:
+            ce, reg = ce.mean(), reg.mean()
         total = total + STEP_DECAY**k * (ce + reg_weight * reg)
         parts[f"ce{k}"], parts[f"reg{k}"] = ce, reg
         prev = _shift(pred)
@@ -342,7 +359,9 @@ def run(tc: DrafterTrainConfig, progress: bool = True) -> dict:
         if tc.kind == "medusa":
             loss_fn = lambda p, b: medusa_loss(p, frozen, hcfg, b)  # noqa: E731
         else:
-            loss_fn = lambda p, b: eagle_loss(p, frozen, hcfg, b, tc.unroll, tc.reg_weight)  # noqa: E731
+            loss_fn = lambda p, b: eagle_loss(  # noqa: E731
+                p, frozen, hcfg, b, tc.unroll, tc.reg_weight, tc.chain_attention
+            )
 
     sched = optax.warmup_cosine_decay_schedule(
         0.0, tc.peak_lr, max(tc.warmup_steps, 1), max(tc.steps, tc.warmup_steps + 1)
@@ -473,6 +492,8 @@ def define_flags() -> None:
         help_ = f"DrafterTrainConfig.{f.name} (default {d!r})"
         if f.name == "kind":
             _FLAGS[f.name] = flags.DEFINE_enum("kind", None, KINDS, help_)
+        elif isinstance(d, bool):
+            _FLAGS[f.name] = flags.DEFINE_bool(f.name, None, help_)
         elif isinstance(d, int):
             low = 1 if f.name in _POSITIVE else 0
             _FLAGS[f.name] = flags.DEFINE_integer(f.name, None, help_, lower_bound=low)

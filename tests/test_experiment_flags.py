@@ -190,6 +190,8 @@ CASES = {
         ([], None),
         (["--kind=foo"], "should be one of"),
         (["--steps=0"], "not a positive integer"),
+        (["--chain_attention"], None),
+        (["--chain_attention=maybe"], "Non-boolean argument"),
     ],
     "disagg_bench": [
         ([], None),

@@ -39,9 +39,9 @@ def _final_state(workdir):
     return manager.restore(manager.latest_step())
 
 
-@pytest.mark.parametrize("kind", td.KINDS)
-def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind):
-    tc = _tiny(tmp_path, kind, "a")
+@pytest.mark.parametrize("kind, chain", [(k, False) for k in td.KINDS] + [("eagle", True)])
+def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind, chain):
+    tc = _tiny(tmp_path, kind, "a", chain_attention=chain)
     td.run(tc, progress=False)
     first = _curve(tc.workdir)
     assert [r["step"] for r in first] == list(range(1, STEPS + 1))
@@ -66,6 +66,12 @@ def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind):
     other = dataclasses.replace(tc, workdir=str(tmp_path / "d"), seed=1)
     td.run(other, progress=False)
     assert _curve(other.workdir) != first
+    if chain:  # and the drafting-shaped attention is what this run trained
+        plain = dataclasses.replace(tc, workdir=str(tmp_path / "f"), chain_attention=False)
+        td.run(plain, progress=False)
+        got = _curve(plain.workdir)
+        assert got[0]["ce0"] == first[0]["ce0"]  # step 0 is the same form
+        assert got[0]["ce1"] != first[0]["ce1"]
 
     # Shipping: the drafter and its record, no machine paths; the shipped config reruns.
     dest = td.ship(tc.workdir, str(tmp_path / "shipped"))

@@ -234,6 +234,55 @@ def test_eagle_paged_catch_up_matches_dense(kind):
     assert np.array_equal(np.isfinite(np.asarray(got)), live)
 
 
+def test_eagle_chain_matches_a_drafting_cycle():
+    """`eagle_dense_chain` (the training form of a cycle) gives, at step k and position c + k,
+    the logits drafting gives at its k-th draft after a catch-up ending at c, when every draft
+    is the real next token; feeding `eagle_dense` its own predictions (the context rows
+    predicted too) does not."""
+    cfg, tp = _target()
+    head = _head("eagle")
+    rp = heads.pair(head, cfg, tp)
+    seq = PROMPTS[1][:24]
+    gamma, c, bs, cap = 4, 17, 8, 32
+    toks = jnp.asarray([seq])
+    _, hidden = ji.model.decoder.forward_dense(tp, cfg, toks, return_hidden=True)
+    prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    chain = heads.eagle.eagle_dense_chain(rp, head.cfg, toks, prev, gamma)
+    np.testing.assert_allclose(  # step 0 is the plain training form
+        chain[0], heads.eagle_dense(rp, head.cfg, toks, prev), atol=1e-5
+    )
+    # Drafting: rows 0..c-3 written first, then a cycle whose catch-up writes c-2..c.
+    tables = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    feats = jnp.zeros((1, cap, cfg.hidden_size)).at[0, :c].set(hidden[0, :c])
+    hist = jnp.zeros((1, cap), jnp.int32).at[0, : c + 1].set(toks[0, : c + 1])
+    cache = ji.cache.paged.init_cache(head.cfg.layer_config, 5, bs)
+    pre = catch_up_batch(hist, jnp.asarray([c - 3]), jnp.asarray([0]), tables, bs, width=c - 2)
+    zeros = jnp.zeros(pre.tokens.shape[0], jnp.int32)
+    prevs = heads.eagle.previous_features(feats, zeros, pre.positions)
+    _, cache = heads.eagle_paged(rp, head.cfg, pre, cache, prevs, "reference")
+    real = toks[0]
+
+    def pick(logits, j):  # the real next token, and the logits as "q"
+        return real[c + 1 + j][None], logits
+
+    _, drafted, logits = heads.draft_eagle(
+        rp, head.cfg, cache, feats, hist, jnp.asarray([c]), jnp.asarray([c - 2]), tables, pick,
+        gamma=gamma, block_size=bs, backend="reference",
+    )  # fmt: skip
+    assert np.array_equal(np.asarray(drafted[0]), np.asarray(real[c + 1 : c + 1 + gamma]))
+    naive, fed = [], prev
+    for _ in range(gamma):  # the old unrolled form: every row fed the last step's prediction
+        out = heads.eagle_dense(rp, head.cfg, toks, fed)
+        naive.append(out)
+        fed = jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)
+    for k in range(gamma):
+        want = heads.feature_logits(rp, head.cfg, chain[k][0, c + k])
+        np.testing.assert_allclose(np.asarray(logits[0, k]), np.asarray(want), atol=1e-4)
+        old = heads.feature_logits(rp, head.cfg, naive[k][0, c + k])
+        gap = np.abs(np.asarray(old) - np.asarray(logits[0, k])).max()
+        assert (gap < 1e-4) == (k == 0), (k, gap)
+
+
 def test_save_load_round_trip(tmp_path):
     head = _head("eagle-vocab")
     heads.save_head(tmp_path / "h", head)

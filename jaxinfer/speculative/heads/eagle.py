@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxinfer.cache.metadata import BatchMetadata, decode_batch
 from jaxinfer.cache.paged import PagedKVCache
-from jaxinfer.model.attention import paged_attention_block
+from jaxinfer.model.attention import paged_attention_block, project_qkv
 from jaxinfer.model.decoder import decoder_layer_dense, mlp_block
 from jaxinfer.model.layers import rms_norm
 from jaxinfer.ops.linear import linear
@@ -81,6 +81,57 @@ def eagle_dense(rp: dict, hcfg: HeadConfig, tokens: jax.Array, prev_feat: jax.Ar
     """Training form: `tokens [B, S]` from position 0, `prev_feat [B, S, E]` -> ĥ `[B, S, E]`."""
     x = _input(rp, hcfg, tokens, prev_feat)
     return decoder_layer_dense(x, rp["head"]["layer"], hcfg.layer_config)
+
+
+def _later(x: jax.Array, n: int) -> jax.Array:
+    """`x [B, S, ...]` moved n positions later along S (row t holds row t − n), zeros first."""
+    if n == 0:
+        return x
+    return jnp.concatenate([jnp.zeros_like(x[:, :n]), x[:, :-n]], axis=1)
+
+
+def eagle_dense_chain(
+    rp: dict, hcfg: HeadConfig, tokens: jax.Array, prev_feat: jax.Array, steps: int
+) -> list[jax.Array]:
+    """Training form of a whole drafting cycle, attention as drafting sees it (EAGLE-3's
+    "training-time test"): `tokens [B, S]`, `prev_feat [B, S, E]` (the target's feature of each
+    row's previous position) -> `steps` predictions ĥ `[B, S, E]`.
+
+    Step k's row at position t is the k-th single-row step of a cycle whose catch-up ended at
+    c = t − k: it reads (token t, step k−1's ĥ at t − 1; step 0: the target's feature), and it
+    attends to what the head's cache holds then: step 0's rows at positions <= c (written from
+    the target's real features) and step j's row at c + j for j = 1..k (written by the cycle's
+    own earlier steps). Feeding a step its own predictions everywhere instead (`eagle_dense` on
+    shifted ĥ) would make the context rows predicted too, which drafting never sees. Rows with
+    t < k have no such cycle: their outputs are defined but meaningless (mask them in a loss).
+    Step 0 equals `eagle_dense`."""
+    lcfg, lp = hcfg.layer_config, rp["head"]["layer"]
+    b, s = tokens.shape
+    kh, d = lcfg.num_kv_heads, lcfg.head_dim
+    g = lcfg.num_heads // kh
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    i, j = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    keys, values, preds, prev = [], [], [], prev_feat
+    for k in range(steps):
+        x = _input(rp, hcfg, tokens, prev)  # [B, S, E]
+        h = rms_norm(x, lp["attn_norm"], lcfg.rms_norm_eps)
+        q, key, value = project_qkv(h, lp, lcfg, positions)  # [B, S, H, D], [B, S, K, D] x 2
+        keys.append(key.astype(jnp.float32))
+        values.append(value.astype(jnp.float32))
+        qg = q.astype(jnp.float32).reshape(b, s, kh, g, d) / jnp.sqrt(jnp.float32(d))
+        ctx = jnp.einsum("bskgd,btkd->bkgst", qg, keys[0])  # [B, K, G, S, S] step 0's rows
+        ctx = jnp.where(j <= i - k, ctx, -jnp.inf)
+        chain = [_later(keys[m], k - m) for m in range(1, k + 1)]  # row t: step m at t − k + m
+        own = [jnp.einsum("bskgd,bskd->bkgs", qg, c)[..., None] for c in chain]  # [B, K, G, S, 1]
+        p = jax.nn.softmax(jnp.concatenate([ctx, *own], axis=-1), axis=-1)  # [B, K, G, S, S + k]
+        out = jnp.einsum("bkgst,btkd->bskgd", p[..., :s], values[0])  # [B, S, K, G, D]
+        for m in range(1, k + 1):
+            pm = jnp.moveaxis(p[..., s + m - 1], 3, 1)[..., None]  # [B, S, K, G, 1]
+            out = out + pm * _later(values[m], k - m)[:, :, :, None, :]
+        attn = linear(out.reshape(b, s, lcfg.num_heads * d).astype(x.dtype), lp["wo"])
+        preds.append(mlp_block(x + attn, lp, lcfg))
+        prev = _later(preds[-1], 1)
+    return preds
 
 
 def previous_features(feats: jax.Array, seq: jax.Array, positions: jax.Array) -> jax.Array:
