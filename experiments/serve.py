@@ -89,6 +89,10 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "(ji.enable_compilation_cache): 'default' is $JAXINFER_CACHE_DIR/xla or "
     "~/.cache/jaxinfer/xla; '' turns it off.",
 )  # fmt: skip
+_COMPILATION_CACHE_MB = flags.DEFINE_integer(
+    "compilation_cache_mb", 1024, "Bound on --compilation_cache: past it the least recently "
+    "used programs are deleted (a server's take ~10 MB); 0 for no bound.", lower_bound=0,
+)  # fmt: skip
 _SPECULATIVE = flags.DEFINE_enum(
     "speculative", "none", ["none", "ngram", "model", "head"], "Speculative decoding's drafter."
 )
@@ -283,7 +287,10 @@ def main(argv):
     del argv
     if _COMPILATION_CACHE.value:
         where = None if _COMPILATION_CACHE.value == "default" else _COMPILATION_CACHE.value
-        logging.info("compilation cache: %s", ji.enable_compilation_cache(where))
+        bound = _COMPILATION_CACHE_MB.value << 20 or None
+        logging.info(
+            "compilation cache: %s", ji.enable_compilation_cache(where, max_size_bytes=bound)
+        )
     path = model_path(_MODEL.value)
     name = _SERVED_NAME.value or _MODEL.value
     template = _CHAT_TEMPLATE.value

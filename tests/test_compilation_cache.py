@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxinfer as ji
@@ -42,6 +44,40 @@ def test_bad_arguments_name_the_value(tmp_path, restore_cache):
     with pytest.raises(ValueError, match="min_compile_secs is -1"):
         ji.enable_compilation_cache(str(tmp_path / "c"), min_compile_secs=-1)
     assert not (tmp_path / "c").exists()  # refused before anything was made
+    for bad in (0, -1, True, 1.5, "1G"):
+        with pytest.raises(ValueError, match=f"max_size_bytes is {bad!r}"):
+            ji.enable_compilation_cache(str(tmp_path / "c"), max_size_bytes=bad)
+    assert not (tmp_path / "c").exists()
+
+
+def _entries(folder) -> set[str]:
+    return {n for n in os.listdir(folder) if n.endswith("-cache")}
+
+
+def test_a_bounded_folder_drops_the_least_recently_used(tmp_path, restore_cache):
+    """Entries written without a bound, then a bound below their total: the next program evicts
+    the oldest until the folder fits, and keeps the rest."""
+    folder = tmp_path / "xla"
+    ji.enable_compilation_cache(str(folder), min_compile_secs=0, max_size_bytes=None)
+    x = jnp.arange(64.0)
+    written = []  # the entries of each program, in the order they were written
+    for k in range(4):
+        before = _entries(folder)
+        jax.jit(lambda v, k=k: jnp.sin(v) * (k + 2.0))(x).block_until_ready()
+        written.append(sorted(_entries(folder) - before))
+        assert written[-1], "every program was written"
+    assert not [n for n in os.listdir(folder) if n.endswith("-atime")]  # unbounded: no last use
+    bound = compilation_cache.size_bytes(str(folder)) - 1
+    ji.enable_compilation_cache(str(folder), min_compile_secs=0, max_size_bytes=bound)
+    before = _entries(folder)
+    jax.jit(lambda v: jnp.cos(v) * 7.0)(x).block_until_ready()
+    new = _entries(folder) - before
+    assert new and compilation_cache.size_bytes(str(folder)) <= bound
+    kept = [bool(set(w) & _entries(folder)) for w in written]
+    assert kept[0] is False  # the oldest went first
+    assert kept == sorted(kept)  # and only a prefix of the oldest went
+    for e in _entries(folder):  # every entry has its last use now
+        assert os.path.exists(folder / (e[: -len("-cache")] + "-atime"))
 
 
 def test_default_folder(monkeypatch, tmp_path):

@@ -39,6 +39,7 @@ def _spawn(*flags):
         ["--ngram_first=4"],
         ["--token_buckets=1,3"], ["--token_buckets=fixed"],
         ["--compilation_cache=README.md"],  # a file, not a folder
+        ["--compilation_cache_mb=-1"],
     ],
 )  # fmt: skip
 def test_bad_flags_fail_at_parse_time(flags):
