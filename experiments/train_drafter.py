@@ -24,7 +24,9 @@ distilled draft model.
    With `--chain_attention` step k's rows also attend as drafting's k-th step does: to the
    rows written from real features up to the cycle's start and to the cycle's own earlier
    steps (`heads.eagle.eagle_dense_chain`, EAGLE-3's training-time test); without it every
-   row of step k attends to step k's rows, a context drafting never sees.
+   row of step k attends to step k's rows, a context drafting never sees. With
+   `--feature_layers` (EAGLE-3) the cache holds those layers' outputs and the head learns to
+   fuse them (`heads.fuse_features`); its predictions still regress on the last layer's.
    AdamW, warm-up then cosine decay, gradient clipping at 1.
 3. **Reproducible and resumable.** Window order is a function of (seed, step) only; orbax
    checkpoints hold params, optimizer state and step; `loss_curve.jsonl` has one line per
@@ -100,6 +102,9 @@ class DrafterTrainConfig:
     # training-time test); False: every row of step k reads step k-1's predictions (the first
     # heads were trained so; drafting never sees such context rows).
     chain_attention: bool = False
+    # EAGLE-3's fused features: target layers whose outputs the head reads, e.g. "2,15,29"
+    # (increasing, the last layer last; `HeadConfig.feature_layers`); "" reads the last alone.
+    feature_layers: str = ""
     reg_weight: float = 0.1  # EAGLE feature regression weight beside the soft CE (weight 1)
     draft_hidden: int = 128  # the distilled draft model's shape
     draft_layers: int = 2
@@ -125,11 +130,25 @@ def _check(tc: DrafterTrainConfig) -> None:
         raise ValueError(f"generated_windows={tc.generated_windows!r}; expected >= 0")
     if tc.generated_windows and not 1 <= tc.prompt_len < tc.seq_len:
         raise ValueError(f"prompt_len={tc.prompt_len!r}; expected in [1, seq_len={tc.seq_len})")
+    if tc.feature_layers:
+        try:
+            layers = feature_layers(tc)
+        except ValueError:
+            raise ValueError(
+                f"feature_layers={tc.feature_layers!r}; expected comma-separated layer indices"
+            ) from None
+        if tc.kind != "eagle":
+            raise ValueError(f"feature_layers={layers} is for kind='eagle', not {tc.kind!r}")
     if tc.num_tokens < tc.seq_len * tc.batch_size:
         raise ValueError(
             f"num_tokens={tc.num_tokens} holds fewer than batch_size={tc.batch_size} windows "
             f"of seq_len={tc.seq_len}"
         )
+
+
+def feature_layers(tc: DrafterTrainConfig) -> tuple[int, ...] | None:
+    """`tc.feature_layers` as `HeadConfig.feature_layers` (None: the last layer alone)."""
+    return tuple(int(i) for i in tc.feature_layers.split(",")) if tc.feature_layers else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +162,8 @@ def _feature_key(tc: DrafterTrainConfig, path: str) -> str:
     what = [os.path.abspath(path), tc.split, tc.num_tokens, tc.seq_len, tc.topk]
     if tc.generated_windows:
         what += [tc.generated_windows, tc.prompt_len]
+    if tc.feature_layers:  # hidden holds these layers' outputs
+        what += [list(feature_layers(tc))]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
 
 
@@ -172,9 +193,9 @@ def generated_windows(tc: DrafterTrainConfig, cfg, params, stream: np.ndarray, s
 
 
 def teacher_features(tc: DrafterTrainConfig, cfg, params, tokenizer, path: str) -> dict:
-    """{"tokens" [N, S] int32, "hidden" [N, S, E] f16, "top_ids" [N, S, k] int32,
-    "top_probs" [N, S, k] f16}, read from the cache or computed (and cached) now. N counts the
-    corpus windows, then the `generated_windows`."""
+    """{"tokens" [N, S] int32, "hidden" [N, S, E] f16 ([N, S, n·E]: the `feature_layers`),
+    "top_ids" [N, S, k] int32, "top_probs" [N, S, k] f16}, read from the cache or computed (and
+    cached) now. N counts the corpus windows, then the `generated_windows`."""
     root = Path(tc.features_dir or os.path.join(tc.workdir, "features"))
     folder = root / _feature_key(tc, path)
     if all((folder / f"{n}.npy").is_file() for n in FEATURE_FILES):
@@ -191,7 +212,8 @@ def teacher_features(tc: DrafterTrainConfig, cfg, params, tokenizer, path: str) 
 
     @jax.jit
     def teach(tokens):  # [b, S] -> hidden [b, S, E], top-k ids and probs [b, S, k]
-        logits, hidden = forward_dense(params, cfg, tokens, return_hidden=True)
+        want = feature_layers(tc) or True
+        logits, hidden = forward_dense(params, cfg, tokens, return_hidden=want)
         probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), tc.topk)
         return hidden.astype(jnp.float16), ids.astype(jnp.int32), probs.astype(jnp.float16)
 
@@ -201,6 +223,11 @@ def teacher_features(tc: DrafterTrainConfig, cfg, params, tokenizer, path: str) 
     parts = []
     for i in tqdm(range(0, padded.shape[0], fb), desc="teacher features", unit="batch"):
         parts.append(jax.device_get(teach(padded[i : i + fb])))
+        if not np.all(np.isfinite(parts[-1][0])):  # a layer's outputs past float16's 65,504
+            raise ValueError(
+                f"teacher features of windows {i}..{i + fb - 1} overflow float16 "
+                f"(feature_layers={tc.feature_layers!r}): choose other layers"
+            )
     out = {"tokens": windows}
     for j, name in enumerate(FEATURE_FILES[1:]):
         out[name] = np.concatenate([p[j] for p in parts])[:n_win]
@@ -263,8 +290,9 @@ def medusa_loss(hp, frozen, hcfg, batch):
 
 def eagle_loss(hp, frozen, hcfg, batch, unroll: int, reg_weight: float, chain: bool = False):
     rp = dict(frozen, head=hp)
-    h = batch["hidden"].astype(jnp.float32)  # [B, S, E] targets h_t
-    prev = _shift(h)
+    raw = batch["hidden"].astype(jnp.float32)  # [B, S, E] ([B, S, n·E]: fused, last layer last)
+    h = raw[..., -hcfg.target_hidden_size :]  # [B, S, E] targets h_t
+    prev = _shift(heads.fuse_features(rp, hcfg, raw))  # step 0 reads the target's features
     chained = (
         heads.eagle.eagle_dense_chain(rp, hcfg, batch["tokens"], prev, unroll) if chain else None
     )
@@ -313,6 +341,8 @@ def _head_config(tc, cfg, vocab_ids):
         over["num_medusa_heads"] = tc.num_medusa_heads
     if tc.eagle_intermediate:
         over["intermediate_size"] = tc.eagle_intermediate
+    if tc.feature_layers:
+        over["feature_layers"] = feature_layers(tc)
     return heads.head_config_for(cfg, tc.kind, **over)
 
 
@@ -331,6 +361,8 @@ def run(tc: DrafterTrainConfig, progress: bool = True) -> dict:
     saved = {k: v for k, v in dataclasses.asdict(tc).items() if k != "stop_at"}
     Path(tc.workdir, "config.json").write_text(json.dumps(saved, indent=2))
     cfg, tparams, path = common.load_model(tc.target, dtype=jnp.float32)
+    if tc.kind != "draft":  # a bad head shape is refused before the features are made
+        _head_config(tc, cfg, None)
     tokenizer = ji.load_tokenizer(path)
     feats = teacher_features(tc, cfg, tparams, tokenizer, path)
     n_win = feats["tokens"].shape[0]

@@ -192,6 +192,7 @@ CASES = {
         (["--steps=0"], "not a positive integer"),
         (["--chain_attention"], None),
         (["--chain_attention=maybe"], "Non-boolean argument"),
+        (["--feature_layers=2,15,29"], None),
     ],
     "disagg_bench": [
         ([], None),

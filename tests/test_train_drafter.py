@@ -8,12 +8,14 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import jaxinfer as ji
 from experiments import train_drafter as td
+from jaxinfer.model.decoder import forward_dense
 from jaxinfer.speculative import heads
 
 STEPS = 6
@@ -39,9 +41,12 @@ def _final_state(workdir):
     return manager.restore(manager.latest_step())
 
 
-@pytest.mark.parametrize("kind, chain", [(k, False) for k in td.KINDS] + [("eagle", True)])
-def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind, chain):
-    tc = _tiny(tmp_path, kind, "a", chain_attention=chain)
+@pytest.mark.parametrize(
+    "kind, chain, fused",
+    [(k, False, "") for k in td.KINDS] + [("eagle", True, ""), ("eagle", True, "1,3")],
+)
+def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind, chain, fused):
+    tc = _tiny(tmp_path, kind, "a", chain_attention=chain, feature_layers=fused)
     td.run(tc, progress=False)
     first = _curve(tc.workdir)
     assert [r["step"] for r in first] == list(range(1, STEPS + 1))
@@ -66,7 +71,7 @@ def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind, chain):
     other = dataclasses.replace(tc, workdir=str(tmp_path / "d"), seed=1)
     td.run(other, progress=False)
     assert _curve(other.workdir) != first
-    if chain:  # and the drafting-shaped attention is what this run trained
+    if chain and not fused:  # and the drafting-shaped attention is what this run trained
         plain = dataclasses.replace(tc, workdir=str(tmp_path / "f"), chain_attention=False)
         td.run(plain, progress=False)
         got = _curve(plain.workdir)
@@ -86,6 +91,7 @@ def test_rerun_from_saved_config_and_resume_are_bitwise(tmp_path, kind, chain):
         cfg = td.common.model_config("target")
         head = heads.load_head(f"{tc.workdir}/head", cfg)
         assert head.cfg.kind == kind and head.cfg.draft_vocab_size == 96
+        assert head.cfg.feature_layers == ((1, 3) if fused else None)
         with pytest.raises(ValueError, match="num_layers"):
             heads.load_head(f"{tc.workdir}/head", cfg.replace(num_layers=cfg.num_layers + 1))
         small = heads.load_head(dest, cfg)  # float16 on disk, float32 again when loaded
@@ -112,6 +118,39 @@ def test_bad_config_is_refused(tmp_path):
         td.run(dataclasses.replace(_tiny(tmp_path, "medusa", "x"), kind="tree"))
     with pytest.raises(ValueError, match="num_tokens=64"):
         td.run(dataclasses.replace(_tiny(tmp_path, "medusa", "x"), num_tokens=64))
+    with pytest.raises(ValueError, match="feature_layers='1,x'; expected comma-separated"):
+        td.run(_tiny(tmp_path, "eagle", "x", feature_layers="1,x"))
+    with pytest.raises(ValueError, match=r"feature_layers=\(1, 3\) is for kind='eagle'"):
+        td.run(_tiny(tmp_path, "medusa", "x", feature_layers="1,3"))
+    with pytest.raises(ValueError, match=r"feature_layers=\(1, 2\) must end with"):
+        td.run(_tiny(tmp_path, "eagle", "x", feature_layers="1,2"))  # the target has 4 layers
+    assert not (tmp_path / "features").exists()  # refused before any feature was made
+
+
+def test_fused_features_are_the_layers_outputs(tmp_path):
+    """--feature_layers caches those layers' outputs (the last layer's last, as the plain cache
+    holds it), under another key."""
+    base = _tiny(tmp_path, "eagle", "p")
+    tc = dataclasses.replace(base, feature_layers="1,3")
+    cfg, params, path = td.common.load_model("target")
+    tokenizer = ji.load_tokenizer(path)
+    plain = td.teacher_features(base, cfg, params, tokenizer, path)
+    feats = td.teacher_features(tc, cfg, params, tokenizer, path)
+    assert td._feature_key(tc, path) != td._feature_key(base, path)
+    e = cfg.hidden_size
+    assert feats["hidden"].shape == (*plain["hidden"].shape[:2], 2 * e)
+    assert np.array_equal(feats["hidden"][..., e:], plain["hidden"])
+    cut = dict(params, layers=jax.tree.map(lambda a: a[:2], params["layers"]))
+    _, h1 = forward_dense(cut, cfg.replace(num_layers=2), jnp.asarray(plain["tokens"][:2]),
+                          return_hidden=True)  # fmt: skip
+    want = np.asarray(h1, np.float16).astype(np.float32)  # layer 1's output, as cached
+    got = np.asarray(feats["hidden"][:2, :, :e], np.float32)
+    np.testing.assert_allclose(got, want, atol=1e-2)
+    big = dict(params, embed=params["embed"] * 1e6)  # outputs past float16's range
+    with pytest.raises(ValueError, match="windows 0..7 overflow float16"):
+        td.teacher_features(dataclasses.replace(tc, features_dir=str(tmp_path / "big")), cfg,
+                            big, tokenizer, path)  # fmt: skip
+    assert not (tmp_path / "big").exists() or not any((tmp_path / "big").rglob("*.npy"))
 
 
 def test_generated_windows_are_the_targets_greedy_continuations(tmp_path):

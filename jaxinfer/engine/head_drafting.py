@@ -5,9 +5,10 @@
                                                                             num_speculative_tokens=3)))
 
 **State** (`HeadPool`, the engine's `dcache`): `feats [NB, S, E]`, the target's last-layer
-feature (before the final norm: what the head reads) of every slot the target has written K/V
-into, indexed by the target's own block tables; for EAGLE also the head's one-layer paged KV
-cache on the same blocks. Both are written exactly where and when the target writes K/V — by
+feature (before the final norm: what the head reads; EAGLE-3's fused feature for a head with
+`feature_layers`) of every slot the target has written K/V into, indexed by the target's own
+block tables; for EAGLE also the head's one-layer paged KV cache on the same blocks. Both are
+written exactly where and when the target writes K/V — by
 `_observe`, right after every verification, from the hidden states of the target's one forward
 (no second pass) and through that step's own metadata. So prefix caching (a cached block holds
 its features), copy-on-write (`copy_pool_blocks`), preemption by recompute and the failed-step
@@ -41,7 +42,7 @@ from jaxinfer.cache.paged import PagedKVCache, copy_blocks, init_cache
 from jaxinfer.sampling import SamplingBatch
 from jaxinfer.speculative.drafters import row_seq
 from jaxinfer.speculative.heads.config import HeadConfig
-from jaxinfer.speculative.heads.eagle import eagle_feed, eagle_paged
+from jaxinfer.speculative.heads.eagle import eagle_feed, eagle_paged, fuse_features
 from jaxinfer.speculative.heads.medusa import draft_medusa_from
 from jaxinfer.speculative.noise import make_pick
 
@@ -118,13 +119,14 @@ def _observe(
     rp: dict,
     pool: HeadPool,
     meta: BatchMetadata,  # the verification's metadata (T rows)
-    hidden: jax.Array,  # [T, E] the target's features of those rows
+    hidden: jax.Array,  # [T, E] ([T, n·E] fused) the target's features of those rows
     *,
     hcfg: HeadConfig,
     backend: str,
 ) -> HeadPool:
     """Writes the step's features and (EAGLE) the head's cache rows of the step's slots."""
     nb, s, e = pool.feats.shape
+    hidden = fuse_features(rp, hcfg, hidden)  # [T, E]
     flat = pool.feats.reshape(nb * s, e).at[meta.slot_mapping].set(hidden.astype(jnp.float32))
     cache = pool.cache
     if cache is not None:

@@ -145,10 +145,11 @@ def _verify(
     cfg: ModelConfig,
     backend: str,
     acceptance: str,
-    return_hidden: bool = False,
+    return_hidden: bool | tuple[int, ...] = False,
 ):
     """The target's forward and acceptance: `((tokens [R, G] (-1 rows: non-finite), n [R]), cache)`
-    and, with return_hidden, the rows' features `[T, E]` as a third element (head drafters).
+    and, with return_hidden, the rows' features `[T, E]` (`[T, n·E]`: n layers) as a third
+    element (head drafters).
 
     The first `n[r]` of `tokens[r]` are committed (1 <= n <= γ + 1).
     """
@@ -359,7 +360,8 @@ def run(engine, schedule) -> tuple[dict[int, tuple[list[int], int]], dict]:
     heads = engine.draft_head is not None
     (tokens, n), engine.cache, *hidden = _verify(
         engine.params, engine.cache, meta, rows, sb, pos, index, draft, q, q_row, gam, pen,
-        cfg=engine.cfg, backend=cfg.backend, acceptance=spec.acceptance, return_hidden=heads,
+        cfg=engine.cfg, backend=cfg.backend, acceptance=spec.acceptance,
+        return_hidden=engine.draft_head[0].return_hidden if heads else False,
     )  # fmt: skip
     if heads:
         head_drafting.observe(engine, meta, hidden[0])

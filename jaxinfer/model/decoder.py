@@ -44,7 +44,7 @@ def forward(
     cache: PagedKVCache,
     *,
     backend: str = "auto",
-    return_hidden: bool = False,
+    return_hidden: bool | tuple[int, ...] = False,
 ) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
     """Runs the ragged paged batch through the model, writing its K/V into the cache.
 
@@ -56,23 +56,25 @@ def forward(
       cache: the paged KV cache; the new K/V are written through `batch.slot_mapping`.
       backend: attention backend, see `jaxinfer.ops.BACKENDS`.
       return_hidden: also return the last layer's output (before the final norm) of every row,
-        the features a learned drafter (EAGLE, Medusa) reads, without a second pass.
+        the features a learned drafter (EAGLE, Medusa) reads, without a second pass; a tuple
+        of layer indices returns those layers' outputs instead, concatenated (EAGLE-3).
 
     Returns:
       (logits `[N, V]` float32 of the rows `batch.logits_indices`, the updated cache), and with
-      return_hidden the hidden states `[T, E]` as a third element.
+      return_hidden the hidden states `[T, E]` (`[T, n·E]` for n layers) as a third element.
     """
     # "auto" resolved once here, for the cache's platform, not by every op of every layer.
     backend = resolve_backend(backend, cache.platform)
     x = params["embed"][batch.tokens]  # [T, E]
+    taps = _Taps(cfg, return_hidden, x)
 
     def layer(carry, xs):
-        x, cache = carry
+        x, cache, kept = carry
         lp, i = xs
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         attn, cache = paged_attention_block(h, lp, cfg, batch, cache, i, backend)
         x = mlp_block(x + attn, lp, cfg, backend)
-        return (x, cache), None
+        return (x, cache, taps.keep(kept, x, i)), None
 
     if isinstance(params["layers"], tuple | list):  # unrolled form: one Python loop
         if len(params["layers"]) != cfg.num_layers:
@@ -85,13 +87,49 @@ def forward(
         # on its own cost ~4 s of each step shape's compilation. Called eagerly, the plain loop.
         tracing = isinstance(x, jax.core.Tracer)
         run = jax.jit(layer) if tracing else layer
+        kept = taps.init
         for i, lp in enumerate(params["layers"]):
-            (x, cache), _ = run((x, cache), (lp, jnp.int32(i) if tracing else i))
+            (x, cache, kept), _ = run((x, cache, kept), (lp, jnp.int32(i) if tracing else i))
     else:  # stacked form: one scan (weights sliced per layer; see `inference_layout`)
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids))
+        (x, cache, kept), _ = jax.lax.scan(
+            layer, (x, cache, taps.init), (params["layers"], layer_ids)
+        )
     logits = logits_from_hidden(params, cfg, x[batch.logits_indices], backend)
-    return (logits, cache, x) if return_hidden else (logits, cache)
+    return (logits, cache, taps.hidden(kept, x)) if return_hidden else (logits, cache)
+
+
+class _Taps:
+    """The hidden states `forward(..., return_hidden=...)` keeps: none, the last layer's (the
+    output itself), or the outputs of chosen layers, carried through the layers as `[n, ..., E]`
+    (a select per layer; no stack of every layer's output)."""
+
+    def __init__(self, cfg: ModelConfig, return_hidden: bool | tuple[int, ...], x: jax.Array):
+        self.layers = None
+        if not isinstance(return_hidden, bool):
+            layers = tuple(return_hidden)
+            if not layers or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers
+                for i in layers
+            ):
+                raise ValueError(
+                    f"return_hidden={return_hidden!r}; expected a bool or layer indices in "
+                    f"[0, {cfg.num_layers})"
+                )
+            self.layers = layers
+        n = 0 if self.layers is None else len(self.layers)
+        self.init = jnp.zeros((n, *x.shape), x.dtype)  # [n, ..., E]
+
+    def keep(self, kept: jax.Array, x: jax.Array, i) -> jax.Array:
+        if self.layers is None:
+            return kept
+        hit = jnp.asarray(self.layers, jnp.int32) == i  # [n]
+        return jnp.where(hit.reshape(-1, *([1] * x.ndim)), x[None], kept)
+
+    def hidden(self, kept: jax.Array, x: jax.Array) -> jax.Array:
+        if self.layers is None:
+            return x
+        return jnp.concatenate(list(kept), axis=-1)  # [..., n·E]
 
 
 def decoder_layer_dense_taps(
@@ -133,7 +171,7 @@ def forward_dense(
     tokens: jax.Array,
     *,
     backend: str = "auto",
-    return_hidden: bool = False,
+    return_hidden: bool | tuple[int, ...] = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scores whole sequences without a cache (training, scoring, calibration).
 
@@ -142,21 +180,28 @@ def forward_dense(
       cfg: the model config (static).
       tokens: `[B, S]` int32, every sequence starting at position 0.
       backend: kernel backend for quantized linears, see `jaxinfer.ops.BACKENDS`.
-      return_hidden: also return the last layer's output `[B, S, E]` (before the final norm).
+      return_hidden: also return the last layer's output `[B, S, E]` (before the final norm);
+        a tuple of layer indices: those layers' outputs, concatenated `[B, S, n·E]`.
 
     Returns:
       logits `[B, S, V]` float32; with return_hidden, (logits, hidden).
     """
     backend = resolve_backend(backend)  # "auto" read once here, not by every op of every layer
     x = params["embed"][tokens]  # [B, S, E]
+    taps = _Taps(cfg, return_hidden, x)
 
-    def layer(x, lp):
-        return decoder_layer_dense(x, lp, cfg, backend), None
+    def layer(carry, xs):
+        x, kept = carry
+        lp, i = xs
+        x = decoder_layer_dense(x, lp, cfg, backend)
+        return (x, taps.keep(kept, x, i)), None
 
+    kept = taps.init
     if isinstance(params["layers"], tuple | list):  # the unrolled form (an engine's on a CPU)
-        for lp in params["layers"]:
-            x, _ = layer(x, lp)
+        for i, lp in enumerate(params["layers"]):
+            (x, kept), _ = layer((x, kept), (lp, i))
     else:
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, kept), _ = jax.lax.scan(layer, (x, kept), (params["layers"], layer_ids))
     logits = logits_from_hidden(params, cfg, x, backend)
-    return (logits, x) if return_hidden else logits
+    return (logits, taps.hidden(kept, x)) if return_hidden else logits

@@ -79,14 +79,16 @@ def generate_with_log(
     dp = loop_layout(dp, plan.platform) if plan.dcfg is not None else dp  # a head: as given
     state = prefill_run(prep)
     warm, t, q = draft_phase(tp, dp, state, inputs, plan=plan)
-    jax.block_until_ready(verify_phase(tp, t, q, warm, inputs, plan=plan))
+    jax.block_until_ready(verify_phase(tp, dp, t, q, warm, inputs, plan=plan))
     records = []
     limit = int(np.max(prep.inputs.max_tokens))
     while not bool(np.all(jax.device_get(state.done))) and len(records) < limit:
         t0 = time.perf_counter()
         state, tokens, q = jax.block_until_ready(draft_phase(tp, dp, state, inputs, plan=plan))
         t1 = time.perf_counter()
-        state, stats = jax.block_until_ready(verify_phase(tp, tokens, q, state, inputs, plan=plan))
+        state, stats = jax.block_until_ready(
+            verify_phase(tp, dp, tokens, q, state, inputs, plan=plan)
+        )
         t2 = time.perf_counter()
         live, acc, com = (
             np.asarray(x)[: prep.n] for x in (stats.live, stats.accepted, stats.committed)

@@ -178,8 +178,9 @@ def _prefill(
     """
     b, m = inputs.tables.shape
     tcache = init_cache(cfg, 1 + b * m, block_size, platform=platform)
+    want = True if head is None else head.return_hidden  # hidden [T, n·E]: fused features
     logits, tcache, hidden = forward(
-        tparams, cfg, meta, tcache, backend=backend, return_hidden=True
+        tparams, cfg, meta, tcache, backend=backend, return_hidden=want
     )  # [B, V], cache, [T, E]
     x = _penalized(logits[:b, None], hist, prompt_lens, jnp.zeros((b, 0), jnp.int32), inputs)
     first = sample(x[:, 0], inputs.sb, prompt_lens)  # the token at position prompt_len
@@ -252,7 +253,9 @@ def _accept(logits, draft_tokens, q, cur, sb: SamplingBatch, acceptance: str):
     return jax.lax.cond(jnp.all(greedy), lambda: (g_tok, g_n), mixed)
 
 
-def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan):
+def _verify(
+    tparams, dparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, plan: _SpecPlan
+):
     """Verify + accept + commit: `(new state, CycleStats)`."""
     gamma = plan.gamma
     b, c = state.hist.shape
@@ -261,13 +264,14 @@ def _verify(tparams, draft_tokens, q, state: SpecState, inputs: SpecInputs, *, p
     last = state.hist[rows, state.cur]  # [B]
     tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, γ+1]
     batch = query_batch(tokens, state.cur, inputs.tables, plan.block_size)  # cur..cur+γ
+    want = True if plan.head is None else plan.head.return_hidden
     logits, tcache, hidden = forward(
-        tparams, plan.cfg, batch, state.tcache, backend=plan.backend, return_hidden=True
+        tparams, plan.cfg, batch, state.tcache, backend=plan.backend, return_hidden=want
     )
     logits = logits.reshape(b, g1, -1)  # [B, γ+1, V] predictions for positions cur+1..cur+γ+1
     dcache = state.dcache
     if plan.head is not None:  # the verified positions' features, from the same forward
-        dcache = head_observe(dcache, hidden.reshape(b, g1, -1), state.cur)
+        dcache = head_observe(dparams, plan.head, dcache, hidden.reshape(b, g1, -1), state.cur)
     logits = _penalized(logits, state.hist, state.cur + 1, draft_tokens, inputs)
     out, num_emitted = _accept(logits, draft_tokens, q, state.cur, inputs.sb, plan.acceptance)
 
@@ -319,7 +323,7 @@ def _run_loop(tparams, dparams, state: SpecState, inputs: SpecInputs, *, plan: _
 
     def body(st):
         st, tokens, q = _draft(tparams, dparams, st, inputs, plan=plan)
-        st, _ = _verify(tparams, tokens, q, st, inputs, plan=plan)
+        st, _ = _verify(tparams, dparams, tokens, q, st, inputs, plan=plan)
         return st
 
     return jax.lax.while_loop(cond, body, state)

@@ -1,8 +1,8 @@
-"""Learned drafter heads (Medusa, EAGLE-style, EAGLE with a draft vocabulary) inside the engine
-(issue 17, on issue 16's engine speculation): greedy and coupled token identity with plain
-generation under preemption, prefix caching and chunked prefill; the drafts are the head's own
-(each cycle's first draft equals the dense head's argmax over the committed history, so the
-engine's feature pool and head cache hold what they should after prefix hits, preemption and
+"""Learned drafter heads (Medusa, EAGLE-style, EAGLE with a draft vocabulary or with EAGLE-3's fused
+features) inside the engine (issue 17, on issue 16's engine speculation): greedy and coupled token
+identity with plain generation under preemption, prefix caching and chunked prefill; the drafts are
+the head's own (each cycle's first draft equals the dense head's argmax over the committed history,
+so the engine's feature pool and head cache hold what they should after prefix hits, preemption and
 copy-on-write); exact rejection sampling by a chi-square test with a negative control; bad
 configurations refused by name.
 
@@ -44,9 +44,11 @@ def _make_head(cfg, kind: str, seed: int = 5, std: float | None = None) -> heads
         return heads.Head(hc, heads.init_medusa(hc, key, std=0.3 if std is None else std))
     n = min(48, cfg.vocab_size // 2)
     extra = {"draft_vocab_size": n} if kind == "eagle-vocab" else {}
+    if kind == "eagle-fused":  # EAGLE-3: a middle layer's output and the last one's
+        extra = {"feature_layers": (cfg.num_layers // 2, cfg.num_layers - 1)}
     hc = heads.head_config_for(cfg, "eagle", intermediate_size=48, **extra)
     hp = heads.init_eagle(hc, key, std=0.2 if std is None else std)
-    if extra:
+    if kind == "eagle-vocab":
         perm = np.random.RandomState(0).permutation(cfg.vocab_size)[:n]
         hp["vocab_ids"] = jnp.asarray(perm, jnp.int32)
     return heads.Head(hc, hp)
@@ -69,7 +71,9 @@ def _dense_first_logits(cfg, tparams, head: heads.Head, seq: list[int]) -> np.nd
     `forward_dense`): row p is what its first draft in a cycle at cur = p must be the argmax of,
     for every prefix of `seq` at once (both forms are causal)."""
     rp = heads.pair(head, cfg, tparams)
-    _, hidden = forward_dense(tparams, cfg, jnp.asarray([seq]), return_hidden=True)  # [1, P, E]
+    want = head.cfg.return_hidden
+    _, hidden = forward_dense(tparams, cfg, jnp.asarray([seq]), return_hidden=want)
+    hidden = heads.fuse_features(rp, head.cfg, hidden)  # [1, P, E]
     if head.cfg.kind == "medusa":  # all drafts from h_{cur−1}; head 0 drafts position cur + 1
         h = jnp.concatenate([jnp.zeros_like(hidden[0, :1]), hidden[0, :-1]])  # row p: h_{p−1}
         logits = heads.medusa_logits(rp, head.cfg, h, 1)[:, 0]
@@ -85,7 +89,13 @@ def _dense_first_logits(cfg, tparams, head: heads.Head, seq: list[int]) -> np.nd
 
 @pytest.mark.parametrize(
     "kind, gamma, chunk",
-    [("medusa", 3, 7), ("eagle", 1, 1), ("eagle", 3, 7), ("eagle-vocab", 2, 64)],
+    [
+        ("medusa", 3, 7),
+        ("eagle", 1, 1),
+        ("eagle", 3, 7),
+        ("eagle-vocab", 2, 64),
+        ("eagle-fused", 2, 7),
+    ],  # fmt: skip
 )
 def test_greedy_equals_generate_and_drafts_are_the_heads(kind, gamma, chunk, tmp_path):
     cfg, params = _target()

@@ -118,3 +118,43 @@ def test_quantized_kv_cache_close_to_float(kv_format, tol):
     deq = cache.k.astype(jnp.float32) * cache.k_scale[..., None]
     rel = float(jnp.max(jnp.abs(deq[:, 1:4] - k_float[:, 1:4])) / jnp.max(jnp.abs(k_float)))
     assert rel < (0.01 if kv_format == "int8" else 0.07)
+
+
+@pytest.mark.parametrize("form", ["stacked", "unrolled"])
+def test_return_hidden_layers_are_those_layers_outputs(form):
+    """`return_hidden=(i, j, ...)` returns the outputs of those layers, concatenated: layer i's
+    is the last hidden state of the model cut after layer i, in the dense and the paged forward
+    alike; `return_hidden=True` is the last layer's, as before."""
+    cfg = ji.preset("tiny-llama").replace(num_layers=4)
+    params = random_params(cfg, seed=4)
+    fparams = inference_layout(params) if form == "unrolled" else params
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 13)))
+    layers = (0, 2, 3)
+
+    def cut(n):  # the model's first n layers
+        return cfg.replace(num_layers=n), dict(
+            params, layers=jax.tree.map(lambda a: a[:n], params["layers"])
+        )
+
+    want = []
+    for i in layers:
+        c, p = cut(i + 1)
+        want.append(ji.forward_dense(p, c, tokens, return_hidden=True)[1])
+    want = jnp.concatenate(want, axis=-1)  # [B, S, 3E]
+    logits, got = ji.forward_dense(fparams, cfg, tokens, return_hidden=layers)
+    assert got.shape == (2, 13, 3 * cfg.hidden_size)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    plain, last = ji.forward_dense(fparams, cfg, tokens, return_hidden=True)
+    np.testing.assert_array_equal(logits, plain)  # the taps change nothing else
+    np.testing.assert_array_equal(got[..., -cfg.hidden_size :], last)
+    # The paged forward over one prefill chunk of each sequence: the same rows.
+    chunks = [SeqChunk(tokens[b].tolist(), 0, np.asarray([1 + 2 * b, 2 + 2 * b]), "all")
+              for b in range(2)]  # fmt: skip
+    meta, _ = build_metadata(chunks, BLOCK)
+    cache = ji.init_cache(cfg, 5, BLOCK)
+    _, _, paged = ji.forward(fparams, cfg, jax.tree.map(jnp.asarray, meta), cache,
+                             backend="reference", return_hidden=layers)  # fmt: skip
+    np.testing.assert_allclose(paged[: 2 * 13].reshape(2, 13, -1), want, atol=1e-5, rtol=0)
+    for bad in [(4,), (-1,), (), (True,)]:
+        with pytest.raises(ValueError, match=r"return_hidden=.*layer indices in \[0, 4\)"):
+            ji.forward_dense(params, cfg, tokens, return_hidden=bad)

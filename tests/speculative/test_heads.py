@@ -34,6 +34,7 @@ from tests.speculative.test_loop import (
 
 KINDS = ("medusa", "eagle", "eagle-vocab")
 DRAFT_VOCAB = 48  # of the tiny model's vocabulary
+FUSED = (0, 1)  # EAGLE-3's fused features: both layers of the tiny target
 
 
 @functools.cache
@@ -43,9 +44,11 @@ def _head(kind: str) -> heads.Head:
         hc = heads.head_config_for(CFG, "medusa", num_medusa_heads=4)
         return heads.Head(hc, heads.init_medusa(hc, key, std=1.0))  # q far from p
     extra = {"draft_vocab_size": DRAFT_VOCAB} if kind == "eagle-vocab" else {}
+    if kind == "eagle-fused":
+        extra = {"feature_layers": FUSED}
     hc = heads.head_config_for(CFG, "eagle", intermediate_size=48, **extra)
     hp = heads.init_eagle(hc, key, std=0.2)
-    if extra:
+    if kind == "eagle-vocab":
         hp["vocab_ids"] = jnp.asarray(
             np.random.RandomState(0).permutation(CFG.vocab_size)[:DRAFT_VOCAB], jnp.int32
         )
@@ -60,7 +63,13 @@ def _spec(kind, acceptance, temperature):
     )
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def _features(rp, hcfg, tp, tokens):
+    """What the head reads at each position of `tokens [B, S]`: `[B, S, E]` (fused or last)."""
+    _, hidden = ji.model.decoder.forward_dense(tp, CFG, tokens, return_hidden=hcfg.return_hidden)
+    return heads.fuse_features(rp, hcfg, hidden)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "eagle-fused"])
 def test_greedy_equals_plain_generate(kind):
     _, ref, _ = _greedy_requests()
     outs = _spec(kind, "rejection", 0)
@@ -71,7 +80,7 @@ def test_greedy_equals_plain_generate(kind):
         assert sum(o.accepted_histogram) == o.num_cycles
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "eagle-fused"])
 def test_coupled_sampling_equals_plain_generate(kind):
     ref = ji.generate(CFG, _target()[1], PROMPTS, SAMPLED)
     outs = _spec(kind, "coupled", 0.8)
@@ -190,12 +199,16 @@ def test_hybrid_skips_the_head_without_changing_a_draft(kind, first):
         tb, qb, _ = prefer_ngram(tb, qb, b.hist, b.cur, max_n=3, min_match=first)
         np.testing.assert_array_equal(np.asarray(ta)[live], np.asarray(tb)[live])
         np.testing.assert_array_equal(np.asarray(qa)[live], np.asarray(qb)[live])
-        a, _ = loop.verify_phase(prep.tparams, ta, qa, a2, prep.inputs, plan=prep.plan)
-        b, _ = loop.verify_phase(prep.tparams, tb, qb, b2, prep.inputs, plan=prep.plan)
+        a, _ = loop.verify_phase(
+            prep.tparams, prep.dparams, ta, qa, a2, prep.inputs, plan=prep.plan
+        )
+        b, _ = loop.verify_phase(
+            prep.tparams, prep.dparams, tb, qb, b2, prep.inputs, plan=prep.plan
+        )
     assert (True, False) in set(zip(skipped, skipped[1:])), skipped  # a head cycle after a skip
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle-vocab"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle-vocab", "eagle-fused"])
 def test_eagle_paged_catch_up_matches_dense(kind):
     """The draft's first step (prefill of the prompt, catch-up of 3 committed positions with real
     features) gives the dense training form's logits at the last position."""
@@ -203,7 +216,7 @@ def test_eagle_paged_catch_up_matches_dense(kind):
     head = _head(kind)
     rp = heads.pair(head, cfg, tp)
     seq = PROMPTS[1][:20]
-    _, hidden = ji.model.decoder.forward_dense(tp, cfg, jnp.asarray([seq]), return_hidden=True)
+    hidden = _features(rp, head.cfg, tp, jnp.asarray([seq]))
     prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
     want = heads.feature_logits(
         rp, head.cfg, heads.eagle_dense(rp, head.cfg, jnp.asarray([seq]), prev)
@@ -234,18 +247,19 @@ def test_eagle_paged_catch_up_matches_dense(kind):
     assert np.array_equal(np.isfinite(np.asarray(got)), live)
 
 
-def test_eagle_chain_matches_a_drafting_cycle():
+@pytest.mark.parametrize("kind", ["eagle", "eagle-fused"])
+def test_eagle_chain_matches_a_drafting_cycle(kind):
     """`eagle_dense_chain` (the training form of a cycle) gives, at step k and position c + k,
     the logits drafting gives at its k-th draft after a catch-up ending at c, when every draft
     is the real next token; feeding `eagle_dense` its own predictions (the context rows
     predicted too) does not."""
     cfg, tp = _target()
-    head = _head("eagle")
+    head = _head(kind)
     rp = heads.pair(head, cfg, tp)
     seq = PROMPTS[1][:24]
     gamma, c, bs, cap = 4, 17, 8, 32
     toks = jnp.asarray([seq])
-    _, hidden = ji.model.decoder.forward_dense(tp, cfg, toks, return_hidden=True)
+    hidden = _features(rp, head.cfg, tp, toks)
     prev = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
     chain = heads.eagle.eagle_dense_chain(rp, head.cfg, toks, prev, gamma)
     np.testing.assert_allclose(  # step 0 is the plain training form
@@ -281,6 +295,56 @@ def test_eagle_chain_matches_a_drafting_cycle():
         old = heads.feature_logits(rp, head.cfg, naive[k][0, c + k])
         gap = np.abs(np.asarray(old) - np.asarray(logits[0, k])).max()
         assert (gap < 1e-4) == (k == 0), (k, gap)
+
+
+def test_the_loop_stores_the_features_the_head_reads():
+    """After the prefill and after every verification, the loop's feature store holds at each
+    committed position what the head reads there: EAGLE-3's fused features of the committed
+    text (`fuse_features` of the named layers' outputs), as training computes them."""
+    cfg, tp = _target()
+    head = _head("eagle-fused")
+    sp = ji.SamplingParams(temperature=0, max_tokens=24)
+    prep = loop.prepare_run(_target(), head, PROMPTS, sp, 3, "rejection", 16, "auto", 3)
+    state = loop.prefill_run(prep)
+    for _ in range(5):
+        cur, hist = np.asarray(state.cur), np.asarray(state.hist)
+        for b in range(len(PROMPTS)):  # positions below cur hold committed tokens
+            want = _features(prep.dparams, head.cfg, tp, jnp.asarray(hist[b : b + 1, : cur[b]]))
+            got = np.asarray(state.dcache.feats[b, : cur[b]])
+            np.testing.assert_allclose(got, np.asarray(want[0]), atol=1e-4, rtol=0)
+        state, t, q = loop.draft_phase(prep.tparams, prep.dparams, state, prep.inputs,
+                                       plan=prep.plan)  # fmt: skip
+        state, _ = loop.verify_phase(prep.tparams, prep.dparams, t, q, state, prep.inputs,
+                                     plan=prep.plan)  # fmt: skip
+    n = len(PROMPTS)  # every cycle committed >= 1 token a sequence
+    assert np.all(np.asarray(state.cur)[:n] >= np.asarray(prep.prompt_lens)[:n] + 5)
+
+
+def test_fused_feature_heads_are_checked():
+    """feature_layers: increasing layers ending with the target's last, EAGLE only, params that
+    match, and a saved head loads back with them (a tuple: the config stays hashable)."""
+    for bad, match in [((1, 0), "increasing"), ((1,), "2\\+ increasing"), ((0, 0, 1), "increasing"),
+                       ((-1, 1), ">= 0"), ((0, 2), "must end with the target's last layer \\(1\\)"),
+                       (("0", 1), "increasing")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"feature_layers=.*{match}"):
+            heads.head_config_for(CFG, "eagle", feature_layers=bad)
+    with pytest.raises(ValueError, match="feature_layers is for eagle heads, not 'medusa'"):
+        heads.head_config_for(CFG, "medusa", feature_layers=FUSED)
+    fused, plain = _head("eagle-fused"), _head("eagle")
+    with pytest.raises(ValueError, match="fuse has shape None, expected \\(128, 64\\)"):
+        ji.speculative.generate(_target(), heads.Head(fused.cfg, plain.params), PROMPTS[:1])
+    with pytest.raises(ValueError, match="hold fuse but HeadConfig.feature_layers is None"):
+        ji.speculative.generate(_target(), heads.Head(plain.cfg, fused.params), PROMPTS[:1])
+
+
+def test_fused_head_save_load_round_trip(tmp_path):
+    head = _head("eagle-fused")
+    heads.save_head(tmp_path / "h", head)
+    back = heads.load_head(tmp_path / "h", CFG)
+    assert back.cfg == head.cfg and back.cfg.feature_layers == FUSED and hash(back.cfg)
+    assert jax.tree.structure(back.params) == jax.tree.structure(head.params)
+    for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_save_load_round_trip(tmp_path):

@@ -24,7 +24,13 @@ from jaxinfer.speculative.heads.drafter import (
     head_prefill,
     unpack_draft,
 )
-from jaxinfer.speculative.heads.eagle import draft_eagle, eagle_dense, eagle_paged, init_eagle
+from jaxinfer.speculative.heads.eagle import (
+    draft_eagle,
+    eagle_dense,
+    eagle_paged,
+    fuse_features,
+    init_eagle,
+)
 from jaxinfer.speculative.heads.lm import feature_logits, pair
 from jaxinfer.speculative.heads.medusa import (
     draft_medusa,
@@ -44,6 +50,7 @@ __all__ = [
     "eagle_dense",
     "eagle_paged",
     "feature_logits",
+    "fuse_features",
     "head_config_for",
     "head_draft",
     "head_observe",

@@ -49,6 +49,10 @@ class HeadConfig:
     # Draft vocabulary: the head drafts only among the N most frequent tokens (its params hold
     # their ids), mapped back to the full vocabulary; None drafts over all V.
     draft_vocab_size: int | None = None
+    # EAGLE-3's fused features: the outputs of these target layers (0-based, increasing, the
+    # last layer last), concatenated, normed and projected to E when observed
+    # (`eagle.fuse_features`); None reads the last layer's output alone (EAGLE-1).
+    feature_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -70,6 +74,33 @@ class HeadConfig:
                 f"HeadConfig.draft_vocab_size={n!r}; expected None or an int in "
                 f"[1, {self.target_vocab_size}]"
             )
+        if self.feature_layers is not None:
+            self._check_feature_layers()
+
+    def _check_feature_layers(self):
+        layers, last = self.feature_layers, self.target_num_layers - 1
+        if isinstance(layers, list):  # as JSON gives it back; a tuple keeps the config hashable
+            object.__setattr__(self, "feature_layers", layers := tuple(layers))
+        ok = isinstance(layers, tuple) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers
+        )
+        if not ok or len(layers) < 2 or list(layers) != sorted(set(layers)) or layers[0] < 0:
+            raise ValueError(
+                f"HeadConfig.feature_layers={layers!r}; expected None or 2+ increasing layer "
+                f"indices >= 0"
+            )
+        if layers[-1] != last:
+            raise ValueError(
+                f"HeadConfig.feature_layers={layers!r} must end with the target's last layer "
+                f"({last}): the head's output is read as that layer's"
+            )
+        if self.kind != "eagle":
+            raise ValueError(f"HeadConfig.feature_layers is for eagle heads, not {self.kind!r}")
+
+    @property
+    def return_hidden(self) -> bool | tuple[int, ...]:
+        """What the target's forward returns for this head: `forward(..., return_hidden=...)`."""
+        return self.feature_layers or True
 
     @property
     def layer_config(self) -> ModelConfig:

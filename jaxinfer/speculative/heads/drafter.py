@@ -35,6 +35,7 @@ from jaxinfer.speculative.heads.eagle import (
     draft_eagle,
     eagle_catch_up,
     eagle_paged,
+    fuse_features,
     previous_features,
 )
 from jaxinfer.speculative.heads.lm import pair
@@ -48,7 +49,7 @@ DRAFT_HELP = "(ModelConfig, params), 'ngram' or a ji.speculative.heads.Head"
 class HeadState:
     """A head drafter's carry in the loop."""
 
-    feats: jax.Array  # [B, C, E] target features (last layer, pre-norm) by position
+    feats: jax.Array  # [B, C, E] target features (last layer, pre-norm; or fused) by position
     cache: PagedKVCache | None  # EAGLE's own cache (1 layer), holds rows 0..dlen-1; None: Medusa
 
 
@@ -56,7 +57,7 @@ def head_prefill(
     rp: dict,
     hcfg: HeadConfig,
     meta: BatchMetadata,
-    hidden: jax.Array,  # [T, E] the target's prefill features, one row per prompt token
+    hidden: jax.Array,  # [T, E] ([T, n·E] fused) the target's prefill features, one per token
     num_seqs: int,
     capacity: int,
     num_blocks: int,
@@ -65,6 +66,7 @@ def head_prefill(
     platform: str,  # resolved by the caller (`prepare_run`): the head cache's platform
 ) -> HeadState:
     """The head's state after the prompt (every sequence written from position 0)."""
+    hidden = fuse_features(rp, hcfg, hidden)  # [T, E]
     t = hidden.shape[0]
     seq = row_seq(meta.query_start, t)  # [T]; padding rows -> num_seqs, dropped
     feats = jnp.zeros((num_seqs, capacity, hidden.shape[-1]), jnp.float32)
@@ -126,8 +128,10 @@ def hybrid_draft(rp, hcfg: HeadConfig, hs: HeadState, hist, cur, dlen, tables, p
     return jax.lax.cond(jnp.all(use | done), ngram_only, with_head, hs)
 
 
-def head_observe(hs: HeadState, hidden: jax.Array, cur: jax.Array) -> HeadState:
-    """Stores the verified positions' features: `hidden [B, γ+1, E]` at cur..cur+γ."""
+def head_observe(rp, hcfg: HeadConfig, hs: HeadState, hidden: jax.Array, cur: jax.Array):
+    """Stores the verified positions' features: `hidden [B, γ+1, E]` (`[B, γ+1, n·E]` of a head
+    of fused features) at cur..cur+γ -> the new `HeadState`."""
+    hidden = fuse_features(rp, hcfg, hidden)  # [B, γ+1, E]
     b, g1, _ = hidden.shape
     pos = cur[:, None] + jnp.arange(g1, dtype=jnp.int32)[None, :]  # [B, γ+1]
     rows = jnp.arange(b)[:, None]

@@ -5,7 +5,12 @@ Which features: the output of the target's last decoder layer, before the final 
 vector the LM head reads, so a predicted feature turns into logits through the target's own
 final norm and head with no extra parameters, and it is what `forward(..., return_hidden=True)`
 returns at no extra cost. (EAGLE-3 fuses low, middle and high layers; one layer is the
-EAGLE-1 choice and needs nothing from the target's forward but its last activations.)
+EAGLE-1 choice and needs nothing from the target's forward but its last activations.) With
+`HeadConfig.feature_layers` the head reads EAGLE-3's fused features instead: the forward returns
+those layers' outputs (the last layer last), and `fuse_features` norms each and projects their
+concatenation to E where the features are observed, so every state downstream (the loop's and the
+engine's feature stores, the catch-up) keeps `[.., E]` rows, and the head's own predictions stay
+in the last layer's space (the regression target) and feed back in place of the fused row.
 
 The row at position t reads the target feature of position t−1 and the token at t:
 `x = fc([embed(x_t) ; norm(h_{t−1})])`, then one Llama decoder layer (causal attention over the
@@ -50,7 +55,27 @@ def init_eagle(hcfg: HeadConfig, key: jax.Array, std: float = 0.02) -> dict:
     w = {n: std * jax.random.normal(k, s, jnp.float32) for k, (n, s) in zip(keys, shapes.items())}
     fc = w.pop("fc")
     layer = dict(w, attn_norm=jnp.ones((e,), jnp.float32), mlp_norm=jnp.ones((e,), jnp.float32))
-    return {"fc": fc, "feat_norm": jnp.ones((e,), jnp.float32), "layer": layer}
+    params = {"fc": fc, "feat_norm": jnp.ones((e,), jnp.float32), "layer": layer}
+    if hcfg.feature_layers is not None:  # EAGLE-3: [n·E] -> E, each layer normed first
+        n = len(hcfg.feature_layers)
+        params["fuse_norm"] = jnp.ones((n, e), jnp.float32)
+        kf = jax.random.fold_in(key, len(shapes))
+        params["fuse"] = std * jax.random.normal(kf, (n * e, e), jnp.float32)
+    return params
+
+
+def fuse_features(rp: dict, hcfg: HeadConfig, hidden: jax.Array) -> jax.Array:
+    """The target's features as the head reads them: `hidden [..., n·E]` (the outputs of
+    `hcfg.feature_layers`, concatenated) -> `[..., E]`; `hidden [..., E]` as it is for a head of
+    the last layer alone."""
+    if hcfg.feature_layers is None:
+        return hidden
+    hp = rp["head"]
+    n, e = len(hcfg.feature_layers), hcfg.target_hidden_size
+    lead = hidden.shape[:-1]
+    parts = hidden.astype(jnp.float32).reshape(*lead, n, e)
+    parts = rms_norm(parts, hp["fuse_norm"], hcfg.rms_norm_eps)  # [..., n, E]
+    return linear(parts.reshape(*lead, n * e), hp["fuse"])  # [..., E]
 
 
 def _input(rp: dict, hcfg: HeadConfig, tokens: jax.Array, prev_feat: jax.Array) -> jax.Array:

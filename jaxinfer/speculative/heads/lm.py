@@ -32,6 +32,16 @@ def check_head_params(hcfg: HeadConfig, params: dict) -> None:
     if n is not None and (ids is None or tuple(ids.shape) != (n,)):
         got = None if ids is None else tuple(ids.shape)
         raise ValueError(f"head params vocab_ids has shape {got}, expected ({n},)")
+    layers, fuse = hcfg.feature_layers, params.get("fuse")
+    if layers is None and fuse is not None:
+        raise ValueError("head params hold fuse but HeadConfig.feature_layers is None")
+    if layers is not None:
+        want = (len(layers) * hcfg.target_hidden_size, hcfg.target_hidden_size)
+        got = None if fuse is None else tuple(fuse.shape)
+        if got != want:
+            raise ValueError(
+                f"head params fuse has shape {got}, expected {want} for feature_layers={layers}"
+            )
 
 
 def pair(head: Head, cfg: ModelConfig, tparams: dict) -> dict:
